@@ -1,0 +1,10 @@
+"""The math: fused ops with their kernels, autograd Functions and references. No transformers here."""
+
+from .linear_cross_entropy import (
+    FusedLinearCrossEntropy,
+    TokenOutputs,
+    fused_linear_cross_entropy,
+    fused_linear_log_probs,
+)
+
+__all__ = ["FusedLinearCrossEntropy", "TokenOutputs", "fused_linear_cross_entropy", "fused_linear_log_probs"]

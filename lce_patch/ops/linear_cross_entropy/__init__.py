@@ -1,0 +1,18 @@
+"""Fused linear + cross-entropy: kernels, chunked autograd Function, public op, naive reference."""
+
+from .functional import (
+    FusedLinearCrossEntropy,
+    TokenOutputs,
+    fused_linear_cross_entropy,
+    fused_linear_log_probs,
+)
+from .naive import naive_linear_cross_entropy, naive_token_outputs
+
+__all__ = [
+    "FusedLinearCrossEntropy",
+    "TokenOutputs",
+    "fused_linear_cross_entropy",
+    "fused_linear_log_probs",
+    "naive_linear_cross_entropy",
+    "naive_token_outputs",
+]

@@ -1,0 +1,230 @@
+"""The chunked autograd Function shared by both backends.
+
+Tokens are processed ``chunk_rows`` at a time. For each chunk the projection
+``raw = hidden_c @ W.T (+ bias)`` is one GEMM into a reused ``[chunk_rows, V]`` buffer; a row
+operation (Triton kernel or torch, see ``rows.py``) turns it into per-token statistics and, when
+gradients are needed, into the logits gradient in place; two more GEMMs give ``dh_c = G @ W`` and
+``dW += G.T @ h_c``. Each GEMM reduces over D or V in full, with fp32 accumulation inside the GEMM.
+
+Two gradient schedules:
+
+* scalar loss (reduction "mean"/"sum"/num_items_in_batch): the gradient is computed during the
+  forward (6*N*V*D FLOPs instead of 8 for a recompute), stored unscaled, and the backward only
+  multiplies dh, dW and dbias by ``grad_output * reduce_scale``.
+* per-token outputs (reduction "none", log-probabilities, differentiable entropy): the forward
+  keeps the log-sum-exp and entropy per token; the backward recomputes each chunk's logits and
+  applies the per-token upstream gradients.
+
+Memory above inputs and gradients: the one logits buffer plus O(N) fp32 vectors.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .rows import LogitTransform, RowOutputs, chunk_grad, chunk_stats
+
+# Default size of the logits buffer. 256 MiB holds 1024 rows of a 128k bf16 vocabulary, where
+# cuBLAS already runs these GEMM shapes near its full-size rate; see benchmarks/RESULTS.md.
+DEFAULT_LOGITS_BUDGET_BYTES = 256 * 1024 * 1024
+# The torch row op keeps about four fp32 [C, V] temporaries beside the buffer.
+_TORCH_TEMPORARIES_PER_LOGIT = 16
+
+
+def default_chunk_rows(num_rows: int, vocab_size: int, element_size: int, use_triton: bool) -> int:
+    """Token rows per chunk so that the chunk's logits fit the default memory budget."""
+    bytes_per_row = vocab_size * (element_size if use_triton else element_size + _TORCH_TEMPORARIES_PER_LOGIT)
+    rows = DEFAULT_LOGITS_BUDGET_BYTES // max(bytes_per_row, 1)
+    if rows >= 256:
+        rows = rows // 128 * 128  # GEMM-friendly multiples
+    return int(max(1, min(rows, max(num_rows, 1))))
+
+
+def _matmul_into(out: torch.Tensor, hidden_chunk: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
+    if bias is None:
+        torch.mm(hidden_chunk, weight.t(), out=out)
+    else:
+        torch.addmm(bias, hidden_chunk, weight.t(), out=out)
+
+
+def _addmm_fp32(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """``acc += a @ b`` into an fp32 ``acc`` without rounding the product to the inputs' dtype."""
+    if acc.device.type == "cuda" and a.dtype != torch.float32:
+        try:
+            torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+            return
+        except TypeError:  # torch without out_dtype
+            pass
+    acc.addmm_(a.float(), b.float())
+
+
+class _GradAccumulator:
+    """dh rows, dW and dbias from chunk gradients ``G`` [C, V] (fp32 accumulation in each GEMM)."""
+
+    def __init__(self, hidden, weight, bias, needs_hidden, needs_weight, needs_bias):
+        self.weight = weight
+        self.dh = torch.empty(hidden.shape, dtype=hidden.dtype, device=hidden.device) if needs_hidden else None
+        # fp16 lacks the range to hold a sum over many tokens: accumulate its dW in fp32.
+        # bf16 and fp32 add each chunk's GEMM result into dW in place (one rounding per chunk).
+        self.dw_fp32 = weight.dtype == torch.float16
+        dw_dtype = torch.float32 if self.dw_fp32 else weight.dtype
+        self.dw = torch.empty(weight.shape, dtype=dw_dtype, device=weight.device) if needs_weight else None
+        self.db = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if needs_bias else None
+        self._dw_written = False
+
+    def add(self, grad_chunk: torch.Tensor, hidden_chunk: torch.Tensor, start: int, stop: int) -> None:
+        if self.dh is not None:
+            torch.mm(grad_chunk, self.weight, out=self.dh[start:stop])
+        if self.dw is not None:
+            if not self._dw_written:
+                self.dw.zero_() if self.dw_fp32 else torch.mm(grad_chunk.t(), hidden_chunk, out=self.dw)
+            if self.dw_fp32:
+                _addmm_fp32(self.dw, grad_chunk.t(), hidden_chunk)
+            elif self._dw_written:
+                self.dw.addmm_(grad_chunk.t(), hidden_chunk)
+            self._dw_written = True
+        if self.db is not None:
+            self.db += grad_chunk.sum(dim=0, dtype=torch.float32)
+
+    def results(self, weight_dtype, bias_dtype):
+        if self.dw is not None and not self._dw_written:
+            self.dw.zero_()
+        dw = self.dw.to(weight_dtype) if self.dw is not None else None
+        db = self.db.to(bias_dtype) if self.db is not None else None
+        return self.dh, dw, db
+
+
+class LinearCrossEntropyFunction(torch.autograd.Function):
+    """Chunked fused projection + cross-entropy; see the module docstring.
+
+    Inputs: hidden [N, D], weight [V, D], bias [V] or None (all one float dtype), labels [N] int64,
+    reduce_scale: fp32 0-d tensor for a scalar loss (the factor applied to the sum) or None for
+    per-token outputs. Outputs: loss (0-d, or [N] fp32), entropy [N] fp32 (or empty),
+    is_top1 [N] bool (or empty), mean_logit [N] fp32 (or empty).
+    """
+
+    @staticmethod
+    def forward(
+        ctx,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        labels: torch.Tensor,
+        reduce_scale: torch.Tensor | None,
+        transform: LogitTransform,
+        chunk_rows: int,
+        use_triton: bool,
+        needs_grad: tuple[bool, bool, bool],
+        want: tuple[bool, bool, bool],
+    ):
+        num_rows = hidden.shape[0]
+        vocab_size = weight.shape[0]
+        device = hidden.device
+        want_entropy, want_top1, want_mean_logit = want
+        needs_hidden, needs_weight, needs_bias = needs_grad
+        any_grad = needs_hidden or needs_weight or needs_bias
+        scalar_loss = reduce_scale is not None
+        grad_in_forward = scalar_loss and any_grad
+
+        def fp32_rows():
+            return torch.empty(num_rows, dtype=torch.float32, device=device)
+
+        out = RowOutputs(
+            loss=fp32_rows(),
+            lse=fp32_rows(),
+            entropy=fp32_rows() if want_entropy else None,
+            is_top1=torch.empty(num_rows, dtype=torch.int8, device=device) if want_top1 else None,
+            mean_logit=fp32_rows() if want_mean_logit else None,
+        )
+        grads = _GradAccumulator(hidden, weight, bias, needs_hidden, needs_weight, needs_bias) if grad_in_forward else None
+        buffer = torch.empty(min(chunk_rows, max(num_rows, 1)), vocab_size, dtype=hidden.dtype, device=device)
+        for start in range(0, num_rows, chunk_rows):
+            stop = min(start + chunk_rows, num_rows)
+            raw = buffer[: stop - start]
+            hidden_chunk = hidden[start:stop]
+            _matmul_into(raw, hidden_chunk, weight, bias)
+            chunk_out = RowOutputs(*(None if t is None else t[start:stop] for t in vars(out).values()))
+            chunk_stats(raw, labels[start:stop], transform, chunk_out, grad_in_forward, use_triton)
+            if grads is not None:
+                grads.add(raw, hidden_chunk, start, stop)
+        del buffer
+
+        ctx.transform = transform
+        ctx.chunk_rows = chunk_rows
+        ctx.use_triton = use_triton
+        ctx.scalar_loss = scalar_loss
+        ctx.needs_grad = needs_grad
+        ctx.backward_done = False
+        empty = out.loss.new_empty(0)
+        entropy = out.entropy if want_entropy else empty
+        is_top1 = out.is_top1.bool() if want_top1 else empty.bool()
+        mean_logit = out.mean_logit if want_mean_logit else empty
+        ctx.mark_non_differentiable(is_top1, mean_logit)
+
+        if scalar_loss:
+            loss = out.loss.sum() * reduce_scale
+            ctx.mark_non_differentiable(entropy)
+            if grads is not None:
+                dh, dw, db = grads.results(weight.dtype, bias.dtype if bias is not None else None)
+                ctx.save_for_backward(dh, dw, db, reduce_scale)
+            return loss, entropy, is_top1, mean_logit
+
+        if any_grad:
+            ctx.save_for_backward(hidden, weight, bias, labels, out.lse, out.entropy if want_entropy else out.lse)
+            ctx.has_entropy = want_entropy
+        return out.loss, entropy, is_top1, mean_logit
+
+    @staticmethod
+    def backward(ctx, grad_loss, grad_entropy, _grad_top1, _grad_mean_logit):
+        if ctx.scalar_loss:
+            return LinearCrossEntropyFunction._scalar_backward(ctx, grad_loss)
+        return LinearCrossEntropyFunction._recompute_backward(ctx, grad_loss, grad_entropy)
+
+    @staticmethod
+    def _scalar_backward(ctx, grad_loss):
+        if ctx.backward_done:
+            raise RuntimeError(
+                "fused_linear_cross_entropy: backward through the same scalar loss twice is not supported "
+                "(its gradients were computed in the forward and are scaled in place)."
+            )
+        ctx.backward_done = True
+        dh, dw, db, reduce_scale = ctx.saved_tensors
+        scale = grad_loss.float() * reduce_scale
+        for grad in (dh, dw, db):
+            if grad is not None:
+                grad.mul_(scale)
+        return dh, dw, db, None, None, None, None, None, None, None
+
+    @staticmethod
+    def _recompute_backward(ctx, grad_loss, grad_entropy):
+        hidden, weight, bias, labels, lse, entropy = ctx.saved_tensors
+        if not ctx.has_entropy:
+            grad_entropy = None
+        num_rows, vocab_size = hidden.shape[0], weight.shape[0]
+        needs_hidden, needs_weight, needs_bias = ctx.needs_input_grad[:3]
+        grads = _GradAccumulator(hidden, weight, bias, needs_hidden, needs_weight, needs_bias)
+        grad_loss = grad_loss.float().contiguous() if grad_loss is not None else None
+        grad_entropy = grad_entropy.float().contiguous() if grad_entropy is not None else None
+        if (grad_loss is not None or grad_entropy is not None) and num_rows > 0:
+            chunk_rows = ctx.chunk_rows
+            buffer = torch.empty(min(chunk_rows, num_rows), vocab_size, dtype=hidden.dtype, device=hidden.device)
+            for start in range(0, num_rows, chunk_rows):
+                stop = min(start + chunk_rows, num_rows)
+                raw = buffer[: stop - start]
+                hidden_chunk = hidden[start:stop]
+                _matmul_into(raw, hidden_chunk, weight, bias)
+                chunk_grad(
+                    raw,
+                    labels[start:stop],
+                    ctx.transform,
+                    lse[start:stop],
+                    entropy[start:stop] if grad_entropy is not None else None,
+                    grad_loss[start:stop] if grad_loss is not None else None,
+                    grad_entropy[start:stop] if grad_entropy is not None else None,
+                    ctx.use_triton,
+                )
+                grads.add(raw, hidden_chunk, start, stop)
+        elif grads.dh is not None:
+            grads.dh.zero_()
+        dh, dw, db = grads.results(weight.dtype, bias.dtype if bias is not None else None)
+        return dh, dw, db, None, None, None, None, None, None, None

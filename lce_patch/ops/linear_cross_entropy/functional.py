@@ -1,0 +1,375 @@
+"""Public functional API: argument checks, label shift, reduction and backend dispatch."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from .chunked import LinearCrossEntropyFunction, default_chunk_rows
+from .rows import LogitTransform, triton_usable
+
+_REDUCTIONS = ("mean", "sum", "none")
+_BACKENDS = ("auto", "triton", "torch")
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+class TokenOutputs(NamedTuple):
+    """Per-token outputs of :func:`fused_linear_log_probs`, each shaped like ``labels``.
+
+    log_probs: fp32 log-probability of the target (differentiable), 0 where ignored.
+    entropy: fp32 entropy of the token's distribution (differentiable), 0 where ignored; or None.
+    is_top1: bool, whether the target is the argmax (first index on ties); False where ignored; or None.
+    label_mask: bool, True where the label is not ``ignore_index``.
+    """
+
+    log_probs: torch.Tensor
+    entropy: torch.Tensor | None
+    is_top1: torch.Tensor | None
+    label_mask: torch.Tensor
+
+
+def _fail(message: str) -> None:
+    raise ValueError(f"fused_linear_cross_entropy: {message}")
+
+
+def resolve_backend(backend: str, device: torch.device) -> bool:
+    """True for the Triton backend, False for torch; raises for an unusable request."""
+    if backend not in _BACKENDS:
+        _fail(f"unknown backend {backend!r}; expected one of {_BACKENDS}")
+    if backend == "torch":
+        return False
+    usable = triton_usable(device)
+    if backend == "triton" and not usable:
+        _fail(
+            f"backend='triton' needs a CUDA tensor and the triton package (or TRITON_INTERPRET=1 on CPU); "
+            f"got a tensor on {device}"
+        )
+    return usable and device.type == "cuda" if backend == "auto" else True
+
+
+def _check_inputs(hidden, weight, bias, labels) -> None:
+    if not isinstance(hidden, torch.Tensor) or hidden.dim() not in (2, 3):
+        _fail(f"hidden must be a [N, D] or [B, T, D] tensor, got shape {tuple(getattr(hidden, 'shape', ()))}")
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+        _fail(f"weight must be a [V, D] tensor, got shape {tuple(getattr(weight, 'shape', ()))}")
+    if weight.shape[1] != hidden.shape[-1]:
+        _fail(f"hidden's last dim ({hidden.shape[-1]}) does not match weight's D ({weight.shape[1]})")
+    if weight.shape[0] == 0:
+        _fail("weight has an empty vocabulary (V = 0)")
+    if not isinstance(labels, torch.Tensor) or tuple(labels.shape) != tuple(hidden.shape[:-1]):
+        _fail(
+            f"labels must have shape {tuple(hidden.shape[:-1])} (hidden without its last dim), "
+            f"got {tuple(getattr(labels, 'shape', ()))}"
+        )
+    if labels.dtype.is_floating_point or labels.dtype.is_complex or labels.dtype == torch.bool:
+        _fail(f"labels must be an integer tensor, got {labels.dtype}")
+    if bias is not None and tuple(bias.shape) != (weight.shape[0],):
+        _fail(f"bias must have shape ({weight.shape[0]},), got {tuple(bias.shape)}")
+    tensors = {"hidden": hidden, "weight": weight, "labels": labels}
+    if bias is not None:
+        tensors["bias"] = bias
+    devices = {name: t.device for name, t in tensors.items()}
+    if len(set(devices.values())) > 1:
+        _fail(f"all inputs must be on one device, got {devices}")
+    for name in ("hidden", "weight", "bias"):
+        if name in tensors and tensors[name].dtype not in _FLOAT_DTYPES + (torch.float64,):
+            _fail(f"{name} has unsupported dtype {tensors[name].dtype}; expected float32, float16 or bfloat16")
+
+
+def _check_labels(labels: torch.Tensor, vocab_size: int, ignore_index: int) -> None:
+    """Labels must be ignore_index or in [0, V). On CUDA an asynchronous device assert, no sync."""
+    bad = (labels != ignore_index) & ((labels < 0) | (labels >= vocab_size))
+    if labels.device.type == "cpu":
+        if bad.any():
+            first = labels[bad][0].item()
+            _fail(f"label {first} is outside [0, {vocab_size}) and is not ignore_index ({ignore_index})")
+    else:
+        torch._assert_async(
+            ~bad.any(),
+            f"fused_linear_cross_entropy: a label is outside [0, {vocab_size}) and is not ignore_index ({ignore_index})",
+        )
+
+
+def _shift_labels(labels: torch.Tensor, ignore_index: int) -> torch.Tensor:
+    """Target of position t is labels[..., t + 1]; the last position of each row is ignored."""
+    shifted = torch.full_like(labels, ignore_index)
+    shifted[..., :-1] = labels[..., 1:]
+    return shifted
+
+
+def _compute_dtype(hidden, weight, bias) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Cast like F.linear would: to the autocast dtype when autocast is on, else require one dtype."""
+    device_type = hidden.device.type
+    if torch.is_autocast_enabled(device_type):
+        dtype = torch.get_autocast_dtype(device_type)
+        return hidden.to(dtype), weight.to(dtype), bias.to(dtype) if bias is not None else None
+    if weight.dtype != hidden.dtype or (bias is not None and bias.dtype != hidden.dtype):
+        _fail(
+            f"hidden ({hidden.dtype}), weight ({weight.dtype})"
+            + (f" and bias ({bias.dtype})" if bias is not None else "")
+            + " must share one dtype (or run under torch.autocast)"
+        )
+    return hidden, weight, bias
+
+
+def _run(
+    hidden,
+    weight,
+    labels,
+    *,
+    bias,
+    ignore_index,
+    softcap,
+    logit_scale,
+    temperature,
+    shift,
+    reduce_scale_kind,
+    num_items_in_batch,
+    label_smoothing,
+    z_loss,
+    backend,
+    chunk_size,
+    want,
+):
+    _check_inputs(hidden, weight, bias, labels)
+    if softcap is not None and not softcap > 0:
+        _fail(f"softcap must be None or > 0, got {softcap}")
+    if not 0.0 <= label_smoothing <= 1.0:
+        _fail(f"label_smoothing must be in [0, 1], got {label_smoothing}")
+    if z_loss < 0:
+        _fail(f"z_loss must be >= 0, got {z_loss}")
+    if not temperature > 0:
+        _fail(f"temperature must be > 0, got {temperature}")
+    if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
+        _fail(f"chunk_size must be a positive int (tokens per chunk), got {chunk_size!r}")
+    use_triton = resolve_backend(backend, hidden.device)
+    if use_triton and hidden.dtype == torch.float64:
+        _fail("the triton backend supports float32, float16 and bfloat16; use backend='torch' for float64")
+
+    hidden, weight, bias = _compute_dtype(hidden, weight, bias)
+    out_shape = labels.shape
+    labels = labels.long()
+    if shift:
+        labels = _shift_labels(labels, ignore_index)
+    labels = labels.reshape(-1)
+    hidden_2d = hidden.reshape(-1, hidden.shape[-1])
+    vocab_size = weight.shape[0]
+    _check_labels(labels, vocab_size, ignore_index)
+
+    reduce_scale = None
+    if reduce_scale_kind == "mean":
+        num_valid = (labels != ignore_index).sum()
+        reduce_scale = 1.0 / num_valid.clamp(min=1).float()
+    elif reduce_scale_kind == "sum":
+        reduce_scale = torch.ones((), dtype=torch.float32, device=hidden.device)
+    elif reduce_scale_kind == "items":
+        if isinstance(num_items_in_batch, torch.Tensor):
+            reduce_scale = 1.0 / num_items_in_batch.to(device=hidden.device, dtype=torch.float32).reshape(())
+        else:
+            if not num_items_in_batch > 0:
+                _fail(f"num_items_in_batch must be > 0, got {num_items_in_batch}")
+            reduce_scale = torch.full((), 1.0 / float(num_items_in_batch), dtype=torch.float32, device=hidden.device)
+
+    grad_on = torch.is_grad_enabled()
+    needs_grad = (
+        grad_on and hidden.requires_grad,
+        grad_on and weight.requires_grad,
+        grad_on and bias is not None and bias.requires_grad,
+    )
+    rows = chunk_size or default_chunk_rows(hidden_2d.shape[0], vocab_size, hidden.element_size(), use_triton)
+    transform = LogitTransform(
+        ignore_index=ignore_index,
+        softcap=None if softcap is None else float(softcap),
+        logit_scale=float(logit_scale),
+        temperature=float(temperature),
+        label_smoothing=float(label_smoothing),
+        z_loss=float(z_loss),
+    )
+    with torch.autocast(hidden.device.type, enabled=False):
+        loss, entropy, is_top1, _mean_logit = LinearCrossEntropyFunction.apply(
+            hidden_2d, weight, bias, labels, reduce_scale, transform, rows, use_triton, needs_grad, want
+        )
+    if reduce_scale is None:
+        loss = loss.view(out_shape)
+    return loss, entropy, is_top1, labels.view(out_shape) != ignore_index
+
+
+def fused_linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+    ignore_index: int = -100,
+    softcap: float | None = None,
+    logit_scale: float = 1.0,
+    shift: bool = False,
+    reduction: str = "mean",
+    num_items_in_batch: int | torch.Tensor | None = None,
+    label_smoothing: float = 0.0,
+    z_loss: float = 0.0,
+    backend: str = "auto",
+    chunk_size: int | None = None,
+    deterministic: bool = False,
+) -> torch.Tensor:
+    """Cross-entropy of ``hidden @ weight.T + bias`` against ``labels`` without materializing the logits.
+
+    Args:
+        hidden: [N, D] or [B, T, D], float32 / float16 / bfloat16.
+        weight: [V, D], same dtype as ``hidden`` (or any float dtype under ``torch.autocast``).
+        labels: [N] or [B, T] integer, each in [0, V) or equal to ``ignore_index``.
+        bias: optional [V].
+        softcap: final-logit softcap: logits = softcap * tanh(z / softcap), z = logit_scale * (h W^T + b).
+        logit_scale: multiplies the logits before the softcap (Cohere's logit_scale, 1/Granite's logits_scaling).
+        shift: score position t against label t + 1 within each row (Hugging Face causal-LM convention).
+        reduction: "mean" over non-ignored tokens, "sum", or "none" (fp32 loss per token shaped like
+            ``labels``, 0 where ignored).
+        num_items_in_batch: when given, the loss is sum / num_items_in_batch (Trainer's gradient
+            accumulation contract); not allowed with reduction="none".
+        label_smoothing: as in ``torch.nn.functional.cross_entropy``.
+        z_loss: adds ``z_loss * logsumexp**2`` to each non-ignored token's loss.
+        backend: "auto" (Triton on CUDA, torch elsewhere), "triton" or "torch".
+        chunk_size: tokens per chunk (the memory/speed knob); default: the largest chunk whose
+            logits fit 256 MiB.
+        deterministic: accepted for clarity; both backends are deterministic already (no atomics,
+            fixed reduction order), so it costs nothing.
+
+    Returns:
+        fp32 0-d loss (or per-token losses for reduction="none"). A batch whose labels are all ignored
+        gives 0 with zero gradients.
+    """
+    del deterministic  # every path is deterministic; kept in the signature as a documented promise
+    if reduction not in _REDUCTIONS:
+        _fail(f"unknown reduction {reduction!r}; expected one of {_REDUCTIONS}")
+    if num_items_in_batch is not None:
+        if reduction == "none":
+            _fail("num_items_in_batch cannot be combined with reduction='none'")
+        kind = "items"
+    else:
+        kind = {"mean": "mean", "sum": "sum", "none": None}[reduction]
+    loss, _, _, _ = _run(
+        hidden,
+        weight,
+        labels,
+        bias=bias,
+        ignore_index=ignore_index,
+        softcap=softcap,
+        logit_scale=logit_scale,
+        temperature=1.0,
+        shift=shift,
+        reduce_scale_kind=kind,
+        num_items_in_batch=num_items_in_batch,
+        label_smoothing=label_smoothing,
+        z_loss=z_loss,
+        backend=backend,
+        chunk_size=chunk_size,
+        want=(False, False, False),
+    )
+    return loss
+
+
+def fused_linear_log_probs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+    ignore_index: int = -100,
+    softcap: float | None = None,
+    logit_scale: float = 1.0,
+    temperature: float = 1.0,
+    shift: bool = False,
+    return_entropy: bool = False,
+    return_is_top1: bool = False,
+    backend: str = "auto",
+    chunk_size: int | None = None,
+) -> TokenOutputs:
+    """Per-token target log-probabilities (and optionally entropy, argmax match) without the logits.
+
+    Logits are ``softcap * tanh(logit_scale * (h W^T + b) / softcap) / temperature``. ``log_probs`` and
+    ``entropy`` carry gradients for any upstream gradient (the backward recomputes each chunk's
+    logits: 8*N*V*D FLOPs in all); use :func:`fused_linear_cross_entropy` for a scalar loss, which
+    computes its gradient during the forward (6*N*V*D).
+
+    Shapes: hidden [N, D] or [B, T, D]; labels [N] or [B, T]; every output is shaped like labels.
+    """
+    loss, entropy, is_top1, label_mask = _run(
+        hidden,
+        weight,
+        labels,
+        bias=bias,
+        ignore_index=ignore_index,
+        softcap=softcap,
+        logit_scale=logit_scale,
+        temperature=temperature,
+        shift=shift,
+        reduce_scale_kind=None,
+        num_items_in_batch=None,
+        label_smoothing=0.0,
+        z_loss=0.0,
+        backend=backend,
+        chunk_size=chunk_size,
+        want=(return_entropy, return_is_top1, False),
+    )
+    shape = label_mask.shape
+    return TokenOutputs(
+        log_probs=-loss,
+        entropy=entropy.view(shape) if return_entropy else None,
+        is_top1=is_top1.view(shape) if return_is_top1 else None,
+        label_mask=label_mask,
+    )
+
+
+class FusedLinearCrossEntropy(torch.nn.Module):
+    """Module form of :func:`fused_linear_cross_entropy`: ``forward(hidden, weight, labels, bias=None)``.
+
+    Holds the options only (no parameters), so it can sit beside any head.
+    """
+
+    def __init__(
+        self,
+        *,
+        ignore_index: int = -100,
+        softcap: float | None = None,
+        logit_scale: float = 1.0,
+        shift: bool = False,
+        reduction: str = "mean",
+        label_smoothing: float = 0.0,
+        z_loss: float = 0.0,
+        backend: str = "auto",
+        chunk_size: int | None = None,
+        deterministic: bool = False,
+    ) -> None:
+        super().__init__()
+        if reduction not in _REDUCTIONS:
+            _fail(f"unknown reduction {reduction!r}; expected one of {_REDUCTIONS}")
+        if backend not in _BACKENDS:
+            _fail(f"unknown backend {backend!r}; expected one of {_BACKENDS}")
+        self.options = dict(
+            ignore_index=ignore_index,
+            softcap=softcap,
+            logit_scale=logit_scale,
+            shift=shift,
+            reduction=reduction,
+            label_smoothing=label_smoothing,
+            z_loss=z_loss,
+            backend=backend,
+            chunk_size=chunk_size,
+            deterministic=deterministic,
+        )
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        labels: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        num_items_in_batch: int | torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        return fused_linear_cross_entropy(
+            hidden, weight, labels, bias=bias, num_items_in_batch=num_items_in_batch, **self.options
+        )
+
+    def extra_repr(self) -> str:
+        return ", ".join(f"{k}={v!r}" for k, v in self.options.items())

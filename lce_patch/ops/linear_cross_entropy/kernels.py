@@ -1,0 +1,212 @@
+"""Triton kernels for the softmax statistics and the logits gradient of one chunk.
+
+Design note
+-----------
+The op works on one chunk of C tokens at a time. The projection ``raw = hidden_c @ W.T (+ bias)``
+is a cuBLAS GEMM that writes a ``[C, V]`` buffer in the compute dtype; the kernels here read that
+buffer and never see more than it, so the logits of the whole batch never exist.
+
+Per token the final logits are ``z = softcap * tanh(logit_scale * raw / softcap) / temperature``
+(no tanh without softcap). The loss of a token with target ``y`` is::
+
+    loss = lse - (1 - eps) * z_y - eps * mean(z) + z_loss * lse**2,    lse = logsumexp(z)
+
+and its gradient with respect to ``raw`` is::
+
+    dloss/draw_j = (p_j * (1 + 2 * z_loss * lse) - (1 - eps) * [j == y] - eps / V)
+                   * (1 - tanh_j**2) * logit_scale / temperature,        p = softmax(z)
+
+``_stats_kernel`` (one program per row) makes two passes over the row's V logits. The first is an
+online log-sum-exp in fp32: a running max ``m`` and a sum ``s`` of ``exp(z - m)``, rescaled when
+the max grows, plus the target logit, the sum of the logits (label smoothing, mean logit), the
+sum of ``p * z`` (entropy) and the max over positions before the target (argmax check with the
+first-index tie rule of ``torch.argmax``). The target logit is picked by comparing column indices
+with the label, never by indexing with it, so an out-of-range label cannot read out of bounds.
+When ``WRITE_GRAD`` is set, a second pass overwrites the buffer in place with the gradient above,
+unscaled (1 for a valid row, 0 for an ignored one): the scalar reduction factor (1/n_valid,
+1/num_items_in_batch) is applied once to dh and dW after the GEMMs, which keeps fp16 gradients
+out of the subnormal range. The second pass re-reads a row the first just streamed, mostly from L2.
+
+``_grad_kernel`` (a 2-D grid over rows and vocab blocks) is the backward of per-token outputs:
+it takes the saved ``lse`` and entropy and per-row upstream gradients of the loss and of the
+entropy, and overwrites the recomputed buffer with their combined gradient::
+
+    dH/dz_j = -p_j * (z_j - lse + H)        (H = entropy)
+
+Memory: the ``[C, V]`` buffer (compute dtype) plus a few fp32 vectors of length C; nothing
+proportional to N x V. FLOPs: ~10 per logit per pass (exp, optional tanh as a sigmoid), which is
+negligible next to the 2*D FLOPs per logit of each GEMM; both kernels are bound by memory
+bandwidth: 2 reads + 1 write of the buffer (stats + gradient), or 1 read + 1 write (grad kernel).
+No atomics, so results are deterministic run to run.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _transform(raw, logit_scale, softcap, inv_temperature, HAS_SOFTCAP: tl.constexpr):
+    """Final logit from the GEMM output; also returns tanh (for the softcap derivative)."""
+    u = raw * logit_scale
+    if HAS_SOFTCAP:
+        # tanh(x) = 2 * sigmoid(2x) - 1: portable across Triton versions and the CPU interpreter.
+        t = 2.0 * tl.sigmoid(2.0 * u / softcap) - 1.0
+        z = softcap * t
+    else:
+        t = u * 0.0
+        z = u
+    return z * inv_temperature, t
+
+
+@triton.jit
+def _stats_kernel(
+    logits_ptr,
+    logits_row_stride,
+    labels_ptr,
+    loss_ptr,
+    lse_ptr,
+    entropy_ptr,
+    is_top1_ptr,
+    mean_logit_ptr,
+    vocab_size,
+    ignore_index,
+    logit_scale,
+    softcap,
+    inv_temperature,
+    label_smoothing,
+    z_loss,
+    HAS_SOFTCAP: tl.constexpr,
+    HAS_SMOOTHING: tl.constexpr,
+    HAS_Z_LOSS: tl.constexpr,
+    WANT_ENTROPY: tl.constexpr,
+    WANT_TOP1: tl.constexpr,
+    WANT_MEAN_LOGIT: tl.constexpr,
+    WRITE_GRAD: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    row_ptr = logits_ptr + row * logits_row_stride
+    label = tl.load(labels_ptr + row)
+    valid = label != ignore_index
+    logit_scale = tl.cast(logit_scale, tl.float32)
+    softcap = tl.cast(softcap, tl.float32)
+    inv_temperature = tl.cast(inv_temperature, tl.float32)
+
+    running_max = float("-inf")
+    sum_exp = 0.0
+    sum_exp_z = 0.0
+    sum_z = 0.0
+    target_z = 0.0
+    max_before_target = float("-inf")
+    for start in range(0, vocab_size, BLOCK_V):
+        cols = start + tl.arange(0, BLOCK_V)
+        in_row = cols < vocab_size
+        raw = tl.load(row_ptr + cols, mask=in_row, other=0.0).to(tl.float32)
+        z, _ = _transform(raw, logit_scale, softcap, inv_temperature, HAS_SOFTCAP)
+        z_or_0 = tl.where(in_row, z, 0.0)
+        z = tl.where(in_row, z, float("-inf"))
+        new_max = tl.maximum(running_max, tl.max(z, 0))
+        rescale = tl.exp(running_max - new_max)
+        e = tl.exp(z - new_max)
+        sum_exp = sum_exp * rescale + tl.sum(e, 0)
+        if WANT_ENTROPY:
+            sum_exp_z = sum_exp_z * rescale + tl.sum(e * z_or_0, 0)
+        running_max = new_max
+        if HAS_SMOOTHING or WANT_MEAN_LOGIT:
+            sum_z += tl.sum(z_or_0, 0)
+        target_z += tl.sum(tl.where(cols == label, z_or_0, 0.0), 0)
+        if WANT_TOP1:
+            max_before_target = tl.maximum(
+                max_before_target, tl.max(tl.where(cols < label, z, float("-inf")), 0)
+            )
+
+    lse = running_max + tl.log(sum_exp)
+    loss = lse - target_z
+    if HAS_SMOOTHING:
+        loss = lse - (1.0 - label_smoothing) * target_z - label_smoothing * (sum_z / vocab_size)
+    if HAS_Z_LOSS:
+        loss += z_loss * lse * lse
+    tl.store(loss_ptr + row, tl.where(valid, loss, 0.0))
+    tl.store(lse_ptr + row, lse)
+    if WANT_ENTROPY:
+        tl.store(entropy_ptr + row, tl.where(valid, lse - sum_exp_z / sum_exp, 0.0))
+    if WANT_TOP1:
+        top1 = (target_z >= running_max) & (target_z > max_before_target) & valid
+        tl.store(is_top1_ptr + row, top1.to(tl.int8))
+    if WANT_MEAN_LOGIT:
+        tl.store(mean_logit_ptr + row, tl.where(valid, sum_z / vocab_size, 0.0))
+
+    if WRITE_GRAD:
+        valid_scale = tl.where(valid, 1.0, 0.0)
+        p_scale = 1.0
+        if HAS_Z_LOSS:
+            p_scale = 1.0 + 2.0 * z_loss * lse
+        for start in range(0, vocab_size, BLOCK_V):
+            cols = start + tl.arange(0, BLOCK_V)
+            in_row = cols < vocab_size
+            raw = tl.load(row_ptr + cols, mask=in_row, other=0.0).to(tl.float32)
+            z, t = _transform(raw, logit_scale, softcap, inv_temperature, HAS_SOFTCAP)
+            grad = tl.exp(z - lse) * p_scale - tl.where(cols == label, 1.0 - label_smoothing, 0.0)
+            if HAS_SMOOTHING:
+                grad -= label_smoothing / vocab_size
+            grad = grad * (logit_scale * inv_temperature * valid_scale)
+            if HAS_SOFTCAP:
+                grad = grad * (1.0 - t * t)
+            tl.store(row_ptr + cols, grad.to(logits_ptr.dtype.element_ty), mask=in_row)
+
+
+@triton.jit
+def _grad_kernel(
+    logits_ptr,
+    logits_row_stride,
+    labels_ptr,
+    lse_ptr,
+    entropy_ptr,
+    grad_loss_ptr,
+    grad_entropy_ptr,
+    vocab_size,
+    ignore_index,
+    logit_scale,
+    softcap,
+    inv_temperature,
+    label_smoothing,
+    z_loss,
+    HAS_SOFTCAP: tl.constexpr,
+    HAS_SMOOTHING: tl.constexpr,
+    HAS_Z_LOSS: tl.constexpr,
+    HAS_LOSS_GRAD: tl.constexpr,
+    HAS_ENTROPY_GRAD: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
+    in_row = cols < vocab_size
+    row_ptr = logits_ptr + row * logits_row_stride
+    label = tl.load(labels_ptr + row)
+    valid = label != ignore_index
+    lse = tl.load(lse_ptr + row)
+    logit_scale = tl.cast(logit_scale, tl.float32)
+    softcap = tl.cast(softcap, tl.float32)
+    inv_temperature = tl.cast(inv_temperature, tl.float32)
+
+    raw = tl.load(row_ptr + cols, mask=in_row, other=0.0).to(tl.float32)
+    z, t = _transform(raw, logit_scale, softcap, inv_temperature, HAS_SOFTCAP)
+    p = tl.exp(z - lse)
+    grad = tl.zeros([BLOCK_V], dtype=tl.float32)
+    if HAS_LOSS_GRAD:
+        p_scale = 1.0
+        if HAS_Z_LOSS:
+            p_scale = 1.0 + 2.0 * z_loss * lse
+        grad_loss = p * p_scale - tl.where(cols == label, 1.0 - label_smoothing, 0.0)
+        if HAS_SMOOTHING:
+            grad_loss -= label_smoothing / vocab_size
+        grad += grad_loss * tl.load(grad_loss_ptr + row).to(tl.float32)
+    if HAS_ENTROPY_GRAD:
+        entropy = tl.load(entropy_ptr + row)
+        grad += -p * (z - lse + entropy) * tl.load(grad_entropy_ptr + row).to(tl.float32)
+    grad = grad * tl.where(valid, logit_scale * inv_temperature, 0.0)
+    if HAS_SOFTCAP:
+        grad = grad * (1.0 - t * t)
+    tl.store(row_ptr + cols, grad.to(logits_ptr.dtype.element_ty), mask=in_row)

@@ -1,0 +1,241 @@
+"""Per-chunk row operations, in two interchangeable implementations.
+
+``chunk_stats`` turns a ``[C, V]`` buffer of raw logits (the GEMM output) into per-row loss,
+log-sum-exp and optional side outputs, and can overwrite the buffer with the logits gradient.
+``chunk_grad`` overwrites a recomputed buffer with the gradient of per-row outputs given their
+upstream gradients. The Triton launchers run the kernels of ``kernels.py``; the torch versions
+compute the same thing with fp32 tensor ops and serve every device without Triton, and act as
+the readable reference for the kernels.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+try:  # Triton is optional: the torch backend needs none of it.
+    from . import kernels as _kernels
+
+    HAS_TRITON = True
+except ImportError:  # pragma: no cover - depends on the platform
+    _kernels = None
+    HAS_TRITON = False
+
+# Vocabulary block per program iteration; 4096 fp32 lanes keep 16 registers per thread at 8 warps.
+_BLOCK_V_STATS = 4096
+_BLOCK_V_GRAD = 4096
+
+
+@dataclass(frozen=True)
+class LogitTransform:
+    """How raw GEMM outputs become final logits and how a token's loss is built from them.
+
+    ``z = softcap * tanh(logit_scale * raw / softcap) / temperature`` (no tanh when softcap is
+    None); loss = CE with label smoothing, plus ``z_loss * lse**2``.
+    """
+
+    ignore_index: int = -100
+    softcap: float | None = None
+    logit_scale: float = 1.0
+    temperature: float = 1.0
+    label_smoothing: float = 0.0
+    z_loss: float = 0.0
+
+
+@dataclass
+class RowOutputs:
+    """fp32 per-row outputs of ``chunk_stats`` (views into full-length buffers)."""
+
+    loss: torch.Tensor
+    lse: torch.Tensor
+    entropy: torch.Tensor | None = None
+    is_top1: torch.Tensor | None = None  # int8
+    mean_logit: torch.Tensor | None = None
+
+
+def triton_usable(device: torch.device) -> bool:
+    """Whether the Triton kernels can run on tensors of ``device``."""
+    if not HAS_TRITON:
+        return False
+    if device.type == "cuda":
+        return True
+    return device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
+
+
+# --------------------------------------------------------------------------- torch versions
+
+
+def _final_logits(raw: torch.Tensor, transform: LogitTransform) -> tuple[torch.Tensor, torch.Tensor | None]:
+    u = raw.float() * transform.logit_scale
+    tanh = None
+    if transform.softcap is not None:
+        tanh = torch.tanh(u / transform.softcap)
+        u = transform.softcap * tanh
+    if transform.temperature != 1.0:
+        u = u / transform.temperature
+    return u, tanh
+
+
+def _raw_grad_factor(transform: LogitTransform, tanh: torch.Tensor | None, grad_z: torch.Tensor) -> torch.Tensor:
+    grad_z = grad_z * (transform.logit_scale / transform.temperature)
+    if tanh is not None:
+        grad_z = grad_z * (1.0 - tanh * tanh)
+    return grad_z
+
+
+def _torch_chunk_stats(raw, labels, transform, out: RowOutputs, write_grad: bool) -> None:
+    z, tanh = _final_logits(raw, transform)
+    vocab_size = z.shape[1]
+    valid = labels != transform.ignore_index
+    safe_labels = torch.where(valid, labels, 0).unsqueeze(1)
+    lse = torch.logsumexp(z, dim=1)
+    target_z = z.gather(1, safe_labels).squeeze(1)
+    loss = lse - target_z
+    if transform.label_smoothing or out.mean_logit is not None:
+        mean_z = z.mean(dim=1)
+    if transform.label_smoothing:
+        eps = transform.label_smoothing
+        loss = lse - (1.0 - eps) * target_z - eps * mean_z
+    if transform.z_loss:
+        loss = loss + transform.z_loss * lse * lse
+    out.loss.copy_(torch.where(valid, loss, 0.0))
+    out.lse.copy_(lse)
+    if out.entropy is not None:
+        p = torch.softmax(z, dim=1)
+        out.entropy.copy_(torch.where(valid, lse - (p * z).sum(dim=1), 0.0))
+    if out.is_top1 is not None:
+        out.is_top1.copy_((z.argmax(dim=1) == labels) & valid)
+    if out.mean_logit is not None:
+        out.mean_logit.copy_(torch.where(valid, mean_z, 0.0))
+    if write_grad:
+        grad = torch.exp(z - lse.unsqueeze(1))
+        if transform.z_loss:
+            grad.mul_((1.0 + 2.0 * transform.z_loss * lse).unsqueeze(1))
+        grad.scatter_add_(
+            1, safe_labels, torch.full_like(target_z, -(1.0 - transform.label_smoothing)).unsqueeze(1)
+        )
+        if transform.label_smoothing:
+            grad.sub_(transform.label_smoothing / vocab_size)
+        grad.mul_(valid.unsqueeze(1))
+        raw.copy_(_raw_grad_factor(transform, tanh, grad))
+
+
+def _torch_chunk_grad(raw, labels, transform, lse, entropy, grad_loss, grad_entropy) -> None:
+    z, tanh = _final_logits(raw, transform)
+    valid = labels != transform.ignore_index
+    p = torch.exp(z - lse.unsqueeze(1))
+    grad = torch.zeros_like(z)
+    if grad_loss is not None:
+        row_grad = grad_loss.float().unsqueeze(1)
+        p_scale = 1.0 + 2.0 * transform.z_loss * lse.unsqueeze(1) if transform.z_loss else 1.0
+        grad += p * p_scale * row_grad
+        safe_labels = torch.where(valid, labels, 0).unsqueeze(1)
+        grad.scatter_add_(1, safe_labels, -(1.0 - transform.label_smoothing) * row_grad)
+        if transform.label_smoothing:
+            grad -= (transform.label_smoothing / z.shape[1]) * row_grad
+    if grad_entropy is not None:
+        grad -= p * (z - lse.unsqueeze(1) + entropy.unsqueeze(1)) * grad_entropy.float().unsqueeze(1)
+    grad.mul_(valid.unsqueeze(1))
+    raw.copy_(_raw_grad_factor(transform, tanh, grad))
+
+
+# --------------------------------------------------------------------------- Triton launchers
+
+
+def _kernel_scalars(transform: LogitTransform) -> dict:
+    return {
+        "ignore_index": transform.ignore_index,
+        "logit_scale": float(transform.logit_scale),
+        "softcap": float(transform.softcap or 1.0),
+        "inv_temperature": 1.0 / float(transform.temperature),
+        "label_smoothing": float(transform.label_smoothing),
+        "z_loss": float(transform.z_loss),
+        "HAS_SOFTCAP": transform.softcap is not None,
+        "HAS_SMOOTHING": transform.label_smoothing != 0.0,
+        "HAS_Z_LOSS": transform.z_loss != 0.0,
+    }
+
+
+def _triton_chunk_stats(raw, labels, transform, out: RowOutputs, write_grad: bool) -> None:
+    rows, vocab_size = raw.shape
+    placeholder = out.loss
+    _kernels._stats_kernel[(rows,)](
+        raw,
+        raw.stride(0),
+        labels,
+        out.loss,
+        out.lse,
+        out.entropy if out.entropy is not None else placeholder,
+        out.is_top1 if out.is_top1 is not None else placeholder,
+        out.mean_logit if out.mean_logit is not None else placeholder,
+        vocab_size,
+        WANT_ENTROPY=out.entropy is not None,
+        WANT_TOP1=out.is_top1 is not None,
+        WANT_MEAN_LOGIT=out.mean_logit is not None,
+        WRITE_GRAD=write_grad,
+        BLOCK_V=min(_BLOCK_V_STATS, _next_power_of_2(vocab_size)),
+        num_warps=8,
+        **_kernel_scalars(transform),
+    )
+
+
+def _triton_chunk_grad(raw, labels, transform, lse, entropy, grad_loss, grad_entropy) -> None:
+    rows, vocab_size = raw.shape
+    block_v = min(_BLOCK_V_GRAD, _next_power_of_2(vocab_size))
+    grid = (rows, triton_cdiv(vocab_size, block_v))
+    _kernels._grad_kernel[grid](
+        raw,
+        raw.stride(0),
+        labels,
+        lse,
+        entropy if entropy is not None else lse,
+        grad_loss if grad_loss is not None else lse,
+        grad_entropy if grad_entropy is not None else lse,
+        vocab_size,
+        HAS_LOSS_GRAD=grad_loss is not None,
+        HAS_ENTROPY_GRAD=grad_entropy is not None,
+        BLOCK_V=block_v,
+        num_warps=8,
+        **_kernel_scalars(transform),
+    )
+
+
+def _next_power_of_2(value: int) -> int:
+    return 1 << max(0, (value - 1).bit_length())
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+# --------------------------------------------------------------------------- dispatch
+
+
+def chunk_stats(
+    raw: torch.Tensor, labels: torch.Tensor, transform: LogitTransform, out: RowOutputs, write_grad: bool, use_triton: bool
+) -> None:
+    """Fill ``out`` for the rows of ``raw`` [C, V]; with ``write_grad`` overwrite ``raw`` in place
+    with d(loss_row)/d(raw) (1 per valid row, 0 for an ignored row: callers apply the reduction)."""
+    if use_triton:
+        _triton_chunk_stats(raw, labels, transform, out, write_grad)
+    else:
+        _torch_chunk_stats(raw, labels, transform, out, write_grad)
+
+
+def chunk_grad(
+    raw: torch.Tensor,
+    labels: torch.Tensor,
+    transform: LogitTransform,
+    lse: torch.Tensor,
+    entropy: torch.Tensor | None,
+    grad_loss: torch.Tensor | None,
+    grad_entropy: torch.Tensor | None,
+    use_triton: bool,
+) -> None:
+    """Overwrite ``raw`` [C, V] with sum_row(grad_loss * dloss/draw + grad_entropy * dH/draw)."""
+    if use_triton:
+        _triton_chunk_grad(raw, labels, transform, lse, entropy, grad_loss, grad_entropy)
+    else:
+        _torch_chunk_grad(raw, labels, transform, lse, entropy, grad_loss, grad_entropy)

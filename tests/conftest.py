@@ -1,0 +1,13 @@
+"""Test setup: on a machine without a GPU the Triton kernels run under the CPU interpreter.
+
+TRITON_INTERPRET must be set before triton is imported, hence here. Set LCE_TEST_GPU=1 to run
+the suite against real kernels on a CUDA machine instead.
+"""
+
+import os
+
+if os.environ.get("LCE_TEST_GPU") != "1":
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
