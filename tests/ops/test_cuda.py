@@ -1,0 +1,75 @@
+"""The reference checks on a CUDA GPU with the compiled Triton kernels (skipped without a GPU).
+
+Run on a GPU machine with ``LCE_TEST_GPU=1 python -m pytest tests/ops``. bf16 is checked here
+because the CPU interpreter cannot run bf16 dots.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from lce_patch import fused_linear_cross_entropy
+
+from .test_linear_cross_entropy import OPTION_SETS, check_against_reference
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+CUDA = torch.device("cuda")
+SIZE = {"n": 300, "d": 72, "v": 5003}  # odd sizes: V and D are not multiples of any block size
+
+
+@pytest.fixture(autouse=True)
+def _no_tf32(monkeypatch):
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+
+
+@pytest.mark.parametrize("options", OPTION_SETS, ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()) or "default")
+def test_triton_fp32_matches_float64_reference(options):
+    check_against_reference(options, backend="triton", device=CUDA, size=SIZE, chunk_size=128)
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.bfloat16, 2e-2), (torch.float16, 4e-3)])
+@pytest.mark.parametrize("options", [{}, {"softcap": 30.0}, {"reduction": "none", "z_loss": 1e-4}])
+def test_triton_half_precision(dtype, tol, options):
+    # bf16 operands round to 2^-8: logits of D=72 terms carry ~3e-3 relative error, gradients ~1e-2.
+    check_against_reference(options, backend="triton", dtype=dtype, tol=tol, device=CUDA, size=SIZE, chunk_size=128)
+
+
+def test_no_host_sync_on_the_cuda_path():
+    hidden = torch.randn(512, 64, device=CUDA, dtype=torch.bfloat16, requires_grad=True)
+    weight = torch.randn(1000, 64, device=CUDA, dtype=torch.bfloat16, requires_grad=True)
+    labels = torch.randint(0, 1000, (512,), device=CUDA)
+    labels[::3] = -100
+    num_items = torch.tensor(300, device=CUDA)
+    fused_linear_cross_entropy(hidden, weight, labels).backward()  # compile kernels first
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        loss = fused_linear_cross_entropy(hidden, weight, labels, softcap=30.0, num_items_in_batch=num_items)
+        loss.backward()
+        per_token = fused_linear_cross_entropy(hidden, weight, labels, reduction="none")
+        per_token.sum().backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+def test_out_of_range_label_stops_with_a_readable_device_assert():
+    script = textwrap.dedent(
+        """
+        import torch
+        from lce_patch import fused_linear_cross_entropy
+        h = torch.randn(64, 32, device="cuda", requires_grad=True)
+        w = torch.randn(100, 32, device="cuda", requires_grad=True)
+        labels = torch.randint(0, 100, (64,), device="cuda")
+        labels[5] = 100
+        fused_linear_cross_entropy(h, w, labels).backward()
+        torch.cuda.synchronize()
+        """
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert result.returncode != 0
+    assert "outside [0, 100)" in result.stderr or "device-side assert" in result.stderr, result.stderr[-2000:]

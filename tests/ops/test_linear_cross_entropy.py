@@ -1,0 +1,319 @@
+"""The fused op against the unfused float64 reference, on both backends.
+
+On a CPU machine the "triton" backend runs the real kernels under TRITON_INTERPRET=1 (set in
+conftest). fp32 results must match the float64 reference to 1e-5 relative: the op reduces in fp32
+over at most V or D terms per element, so its error is a few ulps times sqrt(V) ~ 1e-6.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lce_patch import fused_linear_cross_entropy, fused_linear_log_probs
+from lce_patch.ops.linear_cross_entropy import naive_linear_cross_entropy, naive_token_outputs
+from lce_patch.ops.linear_cross_entropy.rows import triton_usable
+
+# CPU tests; tests/ops/test_cuda.py reruns the reference checks on a GPU.
+DEVICE = torch.device("cpu")
+BACKENDS = ["torch"] + (["triton"] if triton_usable(DEVICE) else [])
+
+
+def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    actual, expected = actual.detach().double().cpu(), expected.detach().double().cpu()
+    denom = expected.norm()
+    return float((actual - expected).norm() / denom) if denom > 0 else float((actual - expected).norm())
+
+
+def make_inputs(n=37, d=19, v=101, *, batch=None, bias=False, ignore_every=5, seed=None):
+    gen = torch.Generator().manual_seed(seed if seed is not None else torch.randint(0, 2**31, ()).item())
+    shape = (batch, n) if batch else (n,)
+    hidden = torch.randn(*shape, d, generator=gen, dtype=torch.float64)
+    weight = torch.randn(v, d, generator=gen, dtype=torch.float64) / d**0.5 * 2
+    labels = torch.randint(0, v, shape, generator=gen)
+    if ignore_every:
+        labels.view(-1)[::ignore_every] = -100
+    b = torch.randn(v, generator=gen, dtype=torch.float64) if bias else None
+    return hidden, weight, labels, b
+
+
+def leaf(t, dtype, requires_grad=True, device=DEVICE):
+    return None if t is None else t.to(device, dtype).detach().requires_grad_(requires_grad)
+
+
+def check_against_reference(
+    options, *, backend, dtype=torch.float32, tol=1e-5, bias=False, batch=None, chunk_size=8, device=DEVICE, size=None
+):
+    hidden, weight, labels, b = make_inputs(bias=bias, batch=batch, **(size or {}))
+    labels[labels == -100] = options.get("ignore_index", -100)
+    reduction = options.get("reduction", "mean")
+    ref = naive_linear_cross_entropy(
+        hidden.requires_grad_(), weight.requires_grad_(), labels, bias=b.requires_grad_() if bias else None, **options
+    )
+    upstream = torch.randn_like(ref) if reduction == "none" else torch.tensor(1.7, dtype=torch.float64)
+    ref_inputs = [hidden, weight] + ([b] if bias else [])
+    ref_grads = torch.autograd.grad(ref, ref_inputs, upstream)
+
+    h, w, bb = (leaf(t, dtype, device=device) for t in (hidden, weight, b))
+    if isinstance(options.get("num_items_in_batch"), torch.Tensor):
+        options = {**options, "num_items_in_batch": options["num_items_in_batch"].to(device)}
+    out = fused_linear_cross_entropy(h, w, labels.to(device), bias=bb, backend=backend, chunk_size=chunk_size, **options)
+    assert out.dtype == torch.float32 and out.shape == ref.shape
+    out.backward(upstream.to(device, torch.float32))
+    assert rel_err(out, ref) < tol
+    for name, got, want in zip(("hidden", "weight", "bias"), (h, w, bb), ref_grads):
+        assert got.grad is not None and got.grad.shape == want.shape, name
+        assert got.grad.dtype == dtype, name
+        assert rel_err(got.grad, want) < tol, (name, rel_err(got.grad, want))
+
+
+OPTION_SETS = [
+    {},
+    {"reduction": "sum"},
+    {"reduction": "none"},
+    {"num_items_in_batch": 41},
+    {"softcap": 2.5},
+    {"logit_scale": 0.37},
+    {"label_smoothing": 0.1},
+    {"z_loss": 1e-2},
+    {"ignore_index": 3},
+    {"softcap": 3.0, "logit_scale": 1.7, "label_smoothing": 0.2, "z_loss": 1e-3, "reduction": "none"},
+    {"softcap": 3.0, "label_smoothing": 0.05, "z_loss": 1e-3, "num_items_in_batch": 17},
+]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("options", OPTION_SETS, ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()) or "default")
+def test_matches_float64_reference(backend, options):
+    check_against_reference(options, backend=backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_bias_and_shift_3d(backend):
+    check_against_reference({"shift": True}, backend=backend, bias=True, batch=3)
+    check_against_reference({"shift": True, "softcap": 5.0, "reduction": "none"}, backend=backend, bias=True, batch=2)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_num_items_as_tensor(backend):
+    check_against_reference({"num_items_in_batch": torch.tensor(29)}, backend=backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("chunk_size", [1, 5, 37, 1000])
+def test_chunk_size_does_not_change_the_result(backend, chunk_size):
+    check_against_reference({"softcap": 4.0}, backend=backend, chunk_size=chunk_size)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_half_precision(backend):
+    # fp16 operands: logits carry ~2^-11 relative rounding, so loss and gradients agree to ~1e-3.
+    check_against_reference({"softcap": 3.0}, backend=backend, dtype=torch.float16, tol=5e-3)
+    if backend == "torch":  # the interpreter cannot run bf16 dots; bf16 kernels are checked on the GPU
+        check_against_reference({}, backend=backend, dtype=torch.bfloat16, tol=3e-2)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_all_ignored_gives_zero_and_zero_grads(backend):
+    hidden, weight, labels, _ = make_inputs()
+    labels.fill_(-100)
+    for reduction in ("mean", "sum", "none"):
+        h, w = leaf(hidden, torch.float32), leaf(weight, torch.float32)
+        loss = fused_linear_cross_entropy(h, w, labels, backend=backend, reduction=reduction)
+        loss.sum().backward()
+        assert torch.all(loss == 0) and torch.isfinite(loss).all()
+        assert torch.all(h.grad == 0) and torch.all(w.grad == 0)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_one_valid_token(backend):
+    hidden, weight, labels, _ = make_inputs()
+    labels.fill_(-100)
+    labels[11] = 7
+    h, w = leaf(hidden, torch.float32), leaf(weight, torch.float32)
+    loss = fused_linear_cross_entropy(h, w, labels, backend=backend)
+    loss.backward()
+    ref = naive_linear_cross_entropy(hidden, weight, labels)
+    assert rel_err(loss, ref) < 1e-5
+    assert torch.count_nonzero(h.grad.abs().sum(1)) == 1
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_empty_batch(backend):
+    h = torch.randn(0, 8, requires_grad=True)
+    w = torch.randn(13, 8, requires_grad=True)
+    labels = torch.zeros(0, dtype=torch.long)
+    loss = fused_linear_cross_entropy(h, w, labels, backend=backend)
+    loss.backward()
+    assert loss.item() == 0.0 and h.grad.shape == (0, 8) and torch.all(w.grad == 0)
+    per_token = fused_linear_cross_entropy(h, w, labels, backend=backend, reduction="none")
+    assert per_token.shape == (0,)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_non_contiguous_hidden(backend):
+    hidden, weight, labels, _ = make_inputs(d=19)
+    wide = torch.randn(hidden.shape[0], 40, dtype=torch.float32)
+    wide[:, 3:22] = hidden.float()
+    h_view = wide.detach().requires_grad_()
+    loss = fused_linear_cross_entropy(h_view[:, 3:22], weight.float(), labels, backend=backend)
+    loss.backward()
+    ref_h = hidden.clone().requires_grad_()
+    ref = naive_linear_cross_entropy(ref_h, weight, labels)
+    ref.backward()
+    assert rel_err(loss, ref) < 1e-5
+    assert rel_err(h_view.grad[:, 3:22], ref_h.grad) < 1e-5
+    assert torch.all(h_view.grad[:, :3] == 0)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_frozen_weight_does_no_weight_gradient_work(backend, monkeypatch):
+    from lce_patch.ops.linear_cross_entropy import chunked
+
+    seen = []
+    original = chunked._GradAccumulator.__init__
+
+    def spy(self, hidden, weight, bias, needs_hidden, needs_weight, needs_bias):
+        seen.append(needs_weight)
+        original(self, hidden, weight, bias, needs_hidden, needs_weight, needs_bias)
+
+    monkeypatch.setattr(chunked._GradAccumulator, "__init__", spy)
+    hidden, weight, labels, _ = make_inputs()
+    h, w = leaf(hidden, torch.float32), leaf(weight, torch.float32, requires_grad=False)
+    fused_linear_cross_entropy(h, w, labels, backend=backend).backward()
+    assert w.grad is None and h.grad is not None and seen == [False]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_no_grad_forward_matches(backend):
+    hidden, weight, labels, _ = make_inputs()
+    with torch.no_grad():
+        loss = fused_linear_cross_entropy(leaf(hidden, torch.float32), leaf(weight, torch.float32), labels, backend=backend)
+    assert not loss.requires_grad
+    assert rel_err(loss, naive_linear_cross_entropy(hidden, weight, labels)) < 1e-5
+
+
+def test_backends_agree_with_each_other():
+    if len(BACKENDS) < 2:
+        pytest.skip("Triton unavailable")
+    hidden, weight, labels, b = make_inputs(bias=True)
+    results = []
+    for backend in BACKENDS:
+        h, w, bb = leaf(hidden, torch.float32), leaf(weight, torch.float32), leaf(b, torch.float32)
+        loss = fused_linear_cross_entropy(h, w, labels, bias=bb, softcap=3.0, z_loss=1e-3, backend=backend)
+        loss.backward()
+        results.append((loss, h.grad, w.grad, bb.grad))
+    for a, b_ in zip(*results):
+        assert rel_err(a, b_) < 1e-6
+
+
+def test_autocast_behaves_like_linear_under_autocast():
+    hidden, weight, labels, _ = make_inputs()
+    h, w = leaf(hidden, torch.float32), leaf(weight, torch.float32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = fused_linear_cross_entropy(h, w, labels, backend="torch")
+    loss.backward()
+    assert h.grad.dtype == torch.float32 and w.grad.dtype == torch.float32
+    ref = naive_linear_cross_entropy(hidden.bfloat16().double(), weight.bfloat16().double(), labels)
+    # bf16 operands, fp32 accumulation: the logits match the rounded-operand reference to ~1e-3
+    assert rel_err(loss, ref) < 1e-2
+
+
+def test_second_backward_through_scalar_loss_is_refused():
+    hidden, weight, labels, _ = make_inputs()
+    loss = fused_linear_cross_entropy(leaf(hidden, torch.float32), leaf(weight, torch.float32), labels, backend="torch")
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="twice"):
+        loss.backward()
+
+
+# --------------------------------------------------------------------------- per-token outputs
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("options", [{}, {"softcap": 2.0, "temperature": 0.7}, {"logit_scale": 1.3, "temperature": 1.5}])
+def test_token_outputs_and_their_gradients(backend, options):
+    hidden, weight, labels, b = make_inputs(bias=True, batch=2, n=11)
+    ref_inputs = [hidden.requires_grad_(), weight.requires_grad_(), b.requires_grad_()]
+    log_probs, entropy, is_top1 = naive_token_outputs(hidden, weight, labels, bias=b, **options)
+    up_lp, up_ent = torch.randn_like(log_probs), torch.randn_like(entropy)
+    ref_grads = torch.autograd.grad((log_probs * up_lp + entropy * up_ent).sum(), ref_inputs)
+
+    h, w, bb = leaf(hidden, torch.float32), leaf(weight, torch.float32), leaf(b, torch.float32)
+    out = fused_linear_log_probs(
+        h, w, labels, bias=bb, return_entropy=True, return_is_top1=True, backend=backend, chunk_size=4, **options
+    )
+    assert out.log_probs.shape == labels.shape and out.entropy.shape == labels.shape
+    assert rel_err(out.log_probs, log_probs) < 1e-5
+    assert rel_err(out.entropy, entropy) < 1e-5
+    assert torch.equal(out.is_top1, is_top1)
+    assert torch.equal(out.label_mask, labels != -100)
+    (out.log_probs * up_lp.float() + out.entropy * up_ent.float()).sum().backward()
+    for got, want in zip((h, w, bb), ref_grads):
+        assert rel_err(got.grad, want) < 1e-5
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_is_top1_when_target_is_the_argmax(backend):
+    hidden, weight, labels, _ = make_inputs(ignore_every=0)
+    logits = hidden @ weight.T
+    labels[:10] = logits[:10].argmax(-1)
+    out = fused_linear_log_probs(hidden.float(), weight.float(), labels, return_is_top1=True, backend=backend)
+    assert out.is_top1[:10].all()
+    assert torch.equal(out.is_top1, logits.argmax(-1) == labels)
+
+
+# --------------------------------------------------------------------------- bad input
+
+
+@pytest.mark.parametrize(
+    "mutate, message",
+    [
+        (lambda a: a.update(hidden=a["hidden"][0]), "hidden must be"),
+        (lambda a: a.update(weight=a["weight"][:, :5]), "does not match"),
+        (lambda a: a.update(labels=a["labels"][:-1]), "labels must have shape"),
+        (lambda a: a.update(labels=a["labels"].float()), "integer"),
+        (lambda a: a.update(bias=torch.zeros(3)), "bias must have shape"),
+        (lambda a: a.update(hidden=a["hidden"].long()), "unsupported dtype"),
+        (lambda a: a.update(weight=a["weight"].double()), "share one dtype"),
+        (lambda a: a.update(reduction="avg"), "unknown reduction"),
+        (lambda a: a.update(backend="cuda"), "unknown backend"),
+        (lambda a: a.update(reduction="none", num_items_in_batch=3), "reduction='none'"),
+        (lambda a: a.update(num_items_in_batch=0), "num_items_in_batch"),
+        (lambda a: a.update(chunk_size=0), "chunk_size"),
+        (lambda a: a.update(softcap=-1.0), "softcap"),
+        (lambda a: a.update(label_smoothing=1.5), "label_smoothing"),
+        (lambda a: a.update(z_loss=-1.0), "z_loss"),
+        (lambda a: a["labels"].__setitem__(4, 101), "outside"),
+        (lambda a: a["labels"].__setitem__(4, -2), "outside"),
+        (lambda a: a.update(weight=a["weight"].to("meta")), "one device"),
+    ],
+)
+def test_bad_input_gives_a_clear_error(mutate, message):
+    hidden, weight, labels, _ = make_inputs()
+    args = {"hidden": hidden.float(), "weight": weight.float(), "labels": labels.clone(), "backend": "torch"}
+    mutate(args)
+    with pytest.raises(ValueError, match=message):
+        fused_linear_cross_entropy(**args)
+
+
+def test_triton_backend_without_a_usable_device_is_refused(monkeypatch):
+    from lce_patch.ops.linear_cross_entropy import functional
+
+    monkeypatch.setattr(functional, "triton_usable", lambda device: False)
+    hidden, weight, labels, _ = make_inputs()
+    with pytest.raises(ValueError, match="backend='triton' needs"):
+        fused_linear_cross_entropy(hidden.float(), weight.float(), labels, backend="triton")
+
+
+def test_module_wrapper():
+    from lce_patch import FusedLinearCrossEntropy
+
+    hidden, weight, labels, b = make_inputs(bias=True)
+    module = FusedLinearCrossEntropy(softcap=4.0, reduction="sum", backend="torch")
+    loss = module(hidden.float(), weight.float(), labels, bias=b.float())
+    ref = naive_linear_cross_entropy(hidden, weight, labels, bias=b, softcap=4.0, reduction="sum")
+    assert rel_err(loss, ref) < 1e-5
+    assert "softcap=4.0" in repr(module)
+    with pytest.raises(ValueError, match="unknown reduction"):
+        FusedLinearCrossEntropy(reduction="bad")
