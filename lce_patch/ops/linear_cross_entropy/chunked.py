@@ -9,8 +9,9 @@ gradients are needed, into the logits gradient in place; two more GEMMs give ``d
 Two gradient schedules:
 
 * scalar loss (reduction "mean"/"sum"/num_items_in_batch): the gradient is computed during the
-  forward (6*N*V*D FLOPs instead of 8 for a recompute), stored unscaled, and the backward only
-  multiplies dh, dW and dbias by ``grad_output * reduce_scale``.
+  forward (6*N*V*D FLOPs instead of 8 for a recompute), already scaled by the reduction factor,
+  and the backward only multiplies dh, dW and dbias by ``grad_output`` (exact, so no second
+  rounding, when it is 1 or a power of two as under loss scaling).
 * per-token outputs (reduction "none", log-probabilities, differentiable entropy): the forward
   keeps the log-sum-exp and entropy per token; the backward recomputes each chunk's logits and
   applies the per-token upstream gradients.
@@ -22,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from .rows import LogitTransform, RowOutputs, chunk_grad, chunk_stats
+from .rows import LogitTransform, RowOutputs, chunk_grad, chunk_stats, scale_inplace
 
 # Default size of the logits buffer. 256 MiB holds 1024 rows of a 128k bf16 vocabulary, where
 # cuBLAS already runs these GEMM shapes near its full-size rate; see benchmarks/RESULTS.md.
@@ -144,7 +145,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             hidden_chunk = hidden[start:stop]
             _matmul_into(raw, hidden_chunk, weight, bias)
             chunk_out = RowOutputs(*(None if t is None else t[start:stop] for t in vars(out).values()))
-            chunk_stats(raw, labels[start:stop], transform, chunk_out, grad_in_forward, use_triton)
+            chunk_stats(raw, labels[start:stop], transform, chunk_out, reduce_scale if grad_in_forward else None, use_triton)
             if grads is not None:
                 grads.add(raw, hidden_chunk, start, stop)
         del buffer
@@ -166,7 +167,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             ctx.mark_non_differentiable(entropy)
             if grads is not None:
                 dh, dw, db = grads.results(weight.dtype, bias.dtype if bias is not None else None)
-                ctx.save_for_backward(dh, dw, db, reduce_scale)
+                ctx.save_for_backward(dh, dw, db)
             return loss, entropy, is_top1, mean_logit
 
         if any_grad:
@@ -188,11 +189,10 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
                 "(its gradients were computed in the forward and are scaled in place)."
             )
         ctx.backward_done = True
-        dh, dw, db, reduce_scale = ctx.saved_tensors
-        scale = grad_loss.float() * reduce_scale
+        dh, dw, db = ctx.saved_tensors
         for grad in (dh, dw, db):
             if grad is not None:
-                grad.mul_(scale)
+                scale_inplace(grad, grad_loss, ctx.use_triton)
         return dh, dw, db, None, None, None, None, None, None, None
 
     @staticmethod

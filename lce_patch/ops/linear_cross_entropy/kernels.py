@@ -23,9 +23,10 @@ sum of ``p * z`` (entropy) and the max over positions before the target (argmax 
 first-index tie rule of ``torch.argmax``). The target logit is picked by comparing column indices
 with the label, never by indexing with it, so an out-of-range label cannot read out of bounds.
 When ``WRITE_GRAD`` is set, a second pass overwrites the buffer in place with the gradient above,
-unscaled (1 for a valid row, 0 for an ignored one): the scalar reduction factor (1/n_valid,
-1/num_items_in_batch) is applied once to dh and dW after the GEMMs, which keeps fp16 gradients
-out of the subnormal range. The second pass re-reads a row the first just streamed, mostly from L2.
+times the reduction factor read from device memory (1/n_valid or 1/num_items_in_batch for a
+valid row, 0 for an ignored one), exactly where the unfused path applies it: scaling a bf16 dh or
+dW afterwards would round it a second time. The second pass re-reads a row the first just
+streamed, mostly from L2.
 
 ``_grad_kernel`` (a 2-D grid over rows and vocab blocks) is the backward of per-token outputs:
 it takes the saved ``lse`` and entropy and per-row upstream gradients of the loss and of the
@@ -70,6 +71,7 @@ def _stats_kernel(
     entropy_ptr,
     is_top1_ptr,
     mean_logit_ptr,
+    grad_scale_ptr,
     vocab_size,
     ignore_index,
     logit_scale,
@@ -139,7 +141,7 @@ def _stats_kernel(
         tl.store(mean_logit_ptr + row, tl.where(valid, sum_z / vocab_size, 0.0))
 
     if WRITE_GRAD:
-        valid_scale = tl.where(valid, 1.0, 0.0)
+        valid_scale = tl.where(valid, tl.load(grad_scale_ptr), 0.0)
         p_scale = 1.0
         if HAS_Z_LOSS:
             p_scale = 1.0 + 2.0 * z_loss * lse
@@ -210,3 +212,19 @@ def _grad_kernel(
     if HAS_SOFTCAP:
         grad = grad * (1.0 - t * t)
     tl.store(row_ptr + cols, grad.to(logits_ptr.dtype.element_ty), mask=in_row)
+
+
+@triton.jit
+def _scale_inplace_kernel(x_ptr, numel, scale_ptr, BLOCK: tl.constexpr):
+    """``x *= scale`` for a scale held in device memory, skipped when it is exactly 1.
+
+    The backward of the scalar loss multiplies the precomputed dW (up to GBs) by grad_output,
+    which is almost always 1.0; testing it on the device avoids both a host sync and a full pass
+    over dW. Multiplying by 1 is exact, so skipping it changes no bit.
+    """
+    scale = tl.load(scale_ptr).to(tl.float32)
+    if scale != 1.0:
+        offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = offsets < numel
+        x = tl.load(x_ptr + offsets, mask=mask)
+        tl.store(x_ptr + offsets, (x.to(tl.float32) * scale).to(x_ptr.dtype.element_ty), mask=mask)

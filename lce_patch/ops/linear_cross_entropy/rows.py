@@ -85,7 +85,7 @@ def _raw_grad_factor(transform: LogitTransform, tanh: torch.Tensor | None, grad_
     return grad_z
 
 
-def _torch_chunk_stats(raw, labels, transform, out: RowOutputs, write_grad: bool) -> None:
+def _torch_chunk_stats(raw, labels, transform, out: RowOutputs, grad_scale: torch.Tensor | None) -> None:
     z, tanh = _final_logits(raw, transform)
     vocab_size = z.shape[1]
     valid = labels != transform.ignore_index
@@ -109,7 +109,7 @@ def _torch_chunk_stats(raw, labels, transform, out: RowOutputs, write_grad: bool
         out.is_top1.copy_((z.argmax(dim=1) == labels) & valid)
     if out.mean_logit is not None:
         out.mean_logit.copy_(torch.where(valid, mean_z, 0.0))
-    if write_grad:
+    if grad_scale is not None:
         grad = torch.exp(z - lse.unsqueeze(1))
         if transform.z_loss:
             grad.mul_((1.0 + 2.0 * transform.z_loss * lse).unsqueeze(1))
@@ -118,7 +118,7 @@ def _torch_chunk_stats(raw, labels, transform, out: RowOutputs, write_grad: bool
         )
         if transform.label_smoothing:
             grad.sub_(transform.label_smoothing / vocab_size)
-        grad.mul_(valid.unsqueeze(1))
+        grad.mul_(torch.where(valid, grad_scale, 0.0).unsqueeze(1))
         raw.copy_(_raw_grad_factor(transform, tanh, grad))
 
 
@@ -158,7 +158,7 @@ def _kernel_scalars(transform: LogitTransform) -> dict:
     }
 
 
-def _triton_chunk_stats(raw, labels, transform, out: RowOutputs, write_grad: bool) -> None:
+def _triton_chunk_stats(raw, labels, transform, out: RowOutputs, grad_scale: torch.Tensor | None) -> None:
     rows, vocab_size = raw.shape
     placeholder = out.loss
     _kernels._stats_kernel[(rows,)](
@@ -170,11 +170,12 @@ def _triton_chunk_stats(raw, labels, transform, out: RowOutputs, write_grad: boo
         out.entropy if out.entropy is not None else placeholder,
         out.is_top1 if out.is_top1 is not None else placeholder,
         out.mean_logit if out.mean_logit is not None else placeholder,
+        grad_scale if grad_scale is not None else placeholder,
         vocab_size,
         WANT_ENTROPY=out.entropy is not None,
         WANT_TOP1=out.is_top1 is not None,
         WANT_MEAN_LOGIT=out.mean_logit is not None,
-        WRITE_GRAD=write_grad,
+        WRITE_GRAD=grad_scale is not None,
         BLOCK_V=min(_BLOCK_V_STATS, _next_power_of_2(vocab_size)),
         num_warps=8,
         **_kernel_scalars(transform),
@@ -213,15 +214,32 @@ def triton_cdiv(a: int, b: int) -> int:
 # --------------------------------------------------------------------------- dispatch
 
 
-def chunk_stats(
-    raw: torch.Tensor, labels: torch.Tensor, transform: LogitTransform, out: RowOutputs, write_grad: bool, use_triton: bool
-) -> None:
-    """Fill ``out`` for the rows of ``raw`` [C, V]; with ``write_grad`` overwrite ``raw`` in place
-    with d(loss_row)/d(raw) (1 per valid row, 0 for an ignored row: callers apply the reduction)."""
-    if use_triton:
-        _triton_chunk_stats(raw, labels, transform, out, write_grad)
+def scale_inplace(grad: torch.Tensor, scale: torch.Tensor, use_triton: bool) -> None:
+    """``grad *= scale`` (0-d tensor) without a host sync; free when ``scale`` is exactly 1 on Triton."""
+    if use_triton and grad.is_contiguous() and grad.numel() > 0:
+        block = 4096
+        _kernels._scale_inplace_kernel[(triton_cdiv(grad.numel(), block),)](
+            grad, grad.numel(), scale.float().reshape(1), BLOCK=block
+        )
     else:
-        _torch_chunk_stats(raw, labels, transform, out, write_grad)
+        grad.mul_(scale)
+
+
+def chunk_stats(
+    raw: torch.Tensor,
+    labels: torch.Tensor,
+    transform: LogitTransform,
+    out: RowOutputs,
+    grad_scale: torch.Tensor | None,
+    use_triton: bool,
+) -> None:
+    """Fill ``out`` for the rows of ``raw`` [C, V]. With ``grad_scale`` (fp32 0-d tensor, the
+    reduction factor), overwrite ``raw`` in place with grad_scale * d(loss_row)/d(raw), zero for
+    ignored rows."""
+    if use_triton:
+        _triton_chunk_stats(raw, labels, transform, out, grad_scale)
+    else:
+        _torch_chunk_stats(raw, labels, transform, out, grad_scale)
 
 
 def chunk_grad(
