@@ -57,7 +57,9 @@ def check_against_reference(
     h, w, bb = (leaf(t, dtype, device=device) for t in (hidden, weight, b))
     if isinstance(options.get("num_items_in_batch"), torch.Tensor):
         options = {**options, "num_items_in_batch": options["num_items_in_batch"].to(device)}
-    out = fused_linear_cross_entropy(h, w, labels.to(device), bias=bb, backend=backend, chunk_size=chunk_size, **options)
+    out = fused_linear_cross_entropy(
+        h, w, labels.to(device), bias=bb, backend=backend, chunk_size=chunk_size, **options
+    )
     assert out.dtype == torch.float32 and out.shape == ref.shape
     out.backward(upstream.to(device, torch.float32))
     assert rel_err(out, ref) < tol
@@ -188,7 +190,9 @@ def test_frozen_weight_does_no_weight_gradient_work(backend, monkeypatch):
 def test_no_grad_forward_matches(backend):
     hidden, weight, labels, _ = make_inputs()
     with torch.no_grad():
-        loss = fused_linear_cross_entropy(leaf(hidden, torch.float32), leaf(weight, torch.float32), labels, backend=backend)
+        loss = fused_linear_cross_entropy(
+            leaf(hidden, torch.float32), leaf(weight, torch.float32), labels, backend=backend
+        )
     assert not loss.requires_grad
     assert rel_err(loss, naive_linear_cross_entropy(hidden, weight, labels)) < 1e-5
 
@@ -231,7 +235,9 @@ def test_second_backward_through_scalar_loss_is_refused():
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("options", [{}, {"softcap": 2.0, "temperature": 0.7}, {"logit_scale": 1.3, "temperature": 1.5}])
+@pytest.mark.parametrize(
+    "options", [{}, {"softcap": 2.0, "temperature": 0.7}, {"logit_scale": 1.3, "temperature": 1.5}]
+)
 def test_token_outputs_and_their_gradients(backend, options):
     hidden, weight, labels, b = make_inputs(bias=True, batch=2, n=11)
     ref_inputs = [hidden.requires_grad_(), weight.requires_grad_(), b.requires_grad_()]

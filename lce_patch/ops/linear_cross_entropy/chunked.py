@@ -137,7 +137,9 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             is_top1=torch.empty(num_rows, dtype=torch.int8, device=device) if want_top1 else None,
             mean_logit=fp32_rows() if want_mean_logit else None,
         )
-        grads = _GradAccumulator(hidden, weight, bias, needs_hidden, needs_weight, needs_bias) if grad_in_forward else None
+        grads = (
+            _GradAccumulator(hidden, weight, bias, needs_hidden, needs_weight, needs_bias) if grad_in_forward else None
+        )
         buffer = torch.empty(min(chunk_rows, max(num_rows, 1)), vocab_size, dtype=hidden.dtype, device=device)
         for start in range(0, num_rows, chunk_rows):
             stop = min(start + chunk_rows, num_rows)
@@ -145,7 +147,9 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             hidden_chunk = hidden[start:stop]
             _matmul_into(raw, hidden_chunk, weight, bias)
             chunk_out = RowOutputs(*(None if t is None else t[start:stop] for t in vars(out).values()))
-            chunk_stats(raw, labels[start:stop], transform, chunk_out, reduce_scale if grad_in_forward else None, use_triton)
+            chunk_stats(
+                raw, labels[start:stop], transform, chunk_out, reduce_scale if grad_in_forward else None, use_triton
+            )
             if grads is not None:
                 grads.add(raw, hidden_chunk, start, stop)
         del buffer

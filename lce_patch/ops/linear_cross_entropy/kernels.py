@@ -120,9 +120,7 @@ def _stats_kernel(
             sum_z += tl.sum(z_or_0, 0)
         target_z += tl.sum(tl.where(cols == label, z_or_0, 0.0), 0)
         if WANT_TOP1:
-            max_before_target = tl.maximum(
-                max_before_target, tl.max(tl.where(cols < label, z, float("-inf")), 0)
-            )
+            max_before_target = tl.maximum(max_before_target, tl.max(tl.where(cols < label, z, float("-inf")), 0))
 
     lse = running_max + tl.log(sum_exp)
     loss = lse - target_z

@@ -113,9 +113,7 @@ def _torch_chunk_stats(raw, labels, transform, out: RowOutputs, grad_scale: torc
         grad = torch.exp(z - lse.unsqueeze(1))
         if transform.z_loss:
             grad.mul_((1.0 + 2.0 * transform.z_loss * lse).unsqueeze(1))
-        grad.scatter_add_(
-            1, safe_labels, torch.full_like(target_z, -(1.0 - transform.label_smoothing)).unsqueeze(1)
-        )
+        grad.scatter_add_(1, safe_labels, torch.full_like(target_z, -(1.0 - transform.label_smoothing)).unsqueeze(1))
         if transform.label_smoothing:
             grad.sub_(transform.label_smoothing / vocab_size)
         grad.mul_(torch.where(valid, grad_scale, 0.0).unsqueeze(1))
