@@ -1,0 +1,88 @@
+"""Property-based checks (hypothesis): random shapes, dtypes, options and label patterns on both
+backends against the float64 reference, plus non-finite inputs."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from lce_patch import fused_linear_cross_entropy
+from lce_patch.ops.linear_cross_entropy import naive_linear_cross_entropy
+
+from .test_linear_cross_entropy import BACKENDS, rel_err
+
+# Tolerances per dtype: fp32 accumulates exactly enough for 1e-5; fp16 operands round to 2^-11.
+TOLERANCE = {torch.float32: 1e-5, torch.float16: 8e-3}
+
+
+@st.composite
+def problems(draw):
+    n = draw(st.integers(0, 40))
+    d = draw(st.integers(1, 24))
+    v = draw(st.integers(1, 70))
+    label_pattern = draw(st.sampled_from(["random", "all_ignored", "none_ignored", "first_and_last"]))
+    options = {
+        "softcap": draw(st.one_of(st.none(), st.floats(0.5, 50.0))),
+        "logit_scale": draw(st.sampled_from([1.0, 0.5, 2.3])),
+        "label_smoothing": draw(st.sampled_from([0.0, 0.1])),
+        "z_loss": draw(st.sampled_from([0.0, 1e-3])),
+        "reduction": draw(st.sampled_from(["mean", "sum", "none"])),
+    }
+    if options["reduction"] != "none" and draw(st.booleans()):
+        options["num_items_in_batch"] = draw(st.integers(1, 50))
+    return n, d, v, label_pattern, options, draw(st.integers(0, 2**31 - 1)), draw(st.integers(1, 16))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(problem=problems())
+def test_random_problems_match_reference(backend, dtype, problem):
+    n, d, v, label_pattern, options, seed, chunk_size = problem
+    gen = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(n, d, generator=gen, dtype=torch.float64).to(dtype).double()
+    weight = torch.randn(v, d, generator=gen, dtype=torch.float64).to(dtype).double()
+    labels = torch.randint(0, v, (n,), generator=gen)
+    if label_pattern == "random":
+        labels[torch.rand(n, generator=gen) < 0.3] = -100
+    elif label_pattern == "all_ignored":
+        labels.fill_(-100)
+    elif label_pattern == "first_and_last" and n > 2:
+        labels[1:-1] = -100
+
+    ref_h, ref_w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    ref = naive_linear_cross_entropy(ref_h, ref_w, labels, **options)
+    upstream = torch.randn(ref.shape, generator=gen, dtype=torch.float64)
+    ref.backward(upstream)
+
+    h = hidden.to(dtype).requires_grad_()
+    w = weight.to(dtype).requires_grad_()
+    out = fused_linear_cross_entropy(h, w, labels, backend=backend, chunk_size=chunk_size, **options)
+    out.backward(upstream.float())
+    tol = TOLERANCE[dtype]
+    assert out.shape == ref.shape
+    assert torch.isfinite(out).all()
+    assert rel_err(out, ref) < tol or (out - ref).abs().max() < tol
+    for got, want in ((h.grad, ref_h.grad), (w.grad, ref_w.grad)):
+        assert rel_err(got, want) < tol or (got.double() - want).abs().max() < tol
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("where", ["hidden", "weight"])
+@pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf])
+def test_non_finite_input_gives_nan_like_the_unfused_path(backend, where, value):
+    hidden = torch.randn(9, 8)
+    weight = torch.randn(17, 8)
+    labels = torch.randint(0, 17, (9,))
+    (hidden if where == "hidden" else weight)[2, 3] = value
+    ref = naive_linear_cross_entropy(hidden.double(), weight.double(), labels)
+    loss = fused_linear_cross_entropy(
+        hidden.requires_grad_(), weight.requires_grad_(), labels, backend=backend, chunk_size=4
+    )
+    loss.backward()
+    assert not torch.isfinite(ref)  # the unfused path is NaN (or inf) here...
+    assert torch.isnan(loss) or not torch.isfinite(loss)  # ...and so are we: never a finite wrong number
