@@ -25,17 +25,22 @@ import torch
 
 from .rows import LogitTransform, RowOutputs, chunk_grad, chunk_stats, scale_inplace
 
-# Default size of the logits buffer. 256 MiB holds 1024 rows of a 128k bf16 vocabulary, where
-# cuBLAS already runs these GEMM shapes near its full-size rate; see benchmarks/RESULTS.md.
+# Default size of the logits buffer: 256 MiB, but never fewer than 1024 token rows. cuBLAS runs
+# the three GEMM shapes near its full-size rate from about 1024 rows (K of the dW GEMM, M of the
+# dh GEMM); smaller chunks cost 10-15% on the H100 (Gemma-2: 56.7 ms at 512 rows vs 51.7 ms at
+# 1024). See benchmarks/NOTES.md.
 DEFAULT_LOGITS_BUDGET_BYTES = 256 * 1024 * 1024
+MIN_DEFAULT_CHUNK_ROWS = 1024
 # The torch row op keeps about four fp32 [C, V] temporaries beside the buffer.
 _TORCH_TEMPORARIES_PER_LOGIT = 16
 
 
 def default_chunk_rows(num_rows: int, vocab_size: int, element_size: int, use_triton: bool) -> int:
-    """Token rows per chunk so that the chunk's logits fit the default memory budget."""
+    """Token rows per chunk: the logits budget, at least 1024 rows on the Triton path."""
     bytes_per_row = vocab_size * (element_size if use_triton else element_size + _TORCH_TEMPORARIES_PER_LOGIT)
     rows = DEFAULT_LOGITS_BUDGET_BYTES // max(bytes_per_row, 1)
+    if use_triton:
+        rows = max(rows, MIN_DEFAULT_CHUNK_ROWS)
     if rows >= 256:
         rows = rows // 128 * 128  # GEMM-friendly multiples
     return int(max(1, min(rows, max(num_rows, 1))))
