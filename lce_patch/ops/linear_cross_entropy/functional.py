@@ -177,7 +177,7 @@ def _run(
         grad_on and weight.requires_grad,
         grad_on and bias is not None and bias.requires_grad,
     )
-    rows = chunk_size or default_chunk_rows(hidden_2d.shape[0], vocab_size, hidden.element_size(), use_triton)
+    rows = chunk_size or default_chunk_rows(hidden_2d.shape[0], vocab_size, hidden.dtype, use_triton)
     transform = LogitTransform(
         ignore_index=ignore_index,
         softcap=None if softcap is None else float(softcap),
@@ -230,8 +230,9 @@ def fused_linear_cross_entropy(
         label_smoothing: as in ``torch.nn.functional.cross_entropy``.
         z_loss: adds ``z_loss * logsumexp**2`` to each non-ignored token's loss.
         backend: "auto" (Triton on CUDA, torch elsewhere), "triton" or "torch".
-        chunk_size: tokens per chunk (the memory/speed knob); default: the largest chunk whose
-            logits fit 256 MiB.
+        chunk_size: tokens per chunk, the memory/speed knob: the op holds ``chunk_size x V`` logits
+            in the compute dtype. Default: 256 MiB of logits, at least 1024 tokens on the Triton
+            path (GEMM efficiency), and at least N/16 tokens in bf16 (bounds dW's roundings).
         deterministic: accepted for clarity; both backends are deterministic already (no atomics,
             fixed reduction order), so it costs nothing.
 

@@ -17,8 +17,8 @@ and its gradient with respect to ``raw`` is::
                    * (1 - tanh_j**2) * logit_scale / temperature,        p = softmax(z)
 
 ``_stats_kernel`` (one program per row) makes two passes over the row's V logits. The first is an
-online log-sum-exp in fp32: a running max ``m`` and a sum ``s`` of ``exp(z - m)``, rescaled when
-the max grows, plus the target logit, the sum of the logits (label smoothing, mean logit), the
+online log-sum-exp in fp32, kept per lane and merged once at the end: a running max ``m`` and a
+sum ``s`` of ``exp(z - m)``, rescaled when the max grows, plus the target logit, the sum of the logits (label smoothing, mean logit), the
 sum of ``p * z`` (entropy) and the max over positions before the target (argmax check with the
 first-index tie rule of ``torch.argmax``). The target logit is picked by comparing column indices
 with the label, never by indexing with it, so an out-of-range label cannot read out of bounds.
@@ -96,12 +96,15 @@ def _stats_kernel(
     softcap = tl.cast(softcap, tl.float32)
     inv_temperature = tl.cast(inv_temperature, tl.float32)
 
-    running_max = float("-inf")
-    sum_exp = 0.0
-    sum_exp_z = 0.0
-    sum_z = 0.0
-    target_z = 0.0
-    max_before_target = float("-inf")
+    # Per-lane online log-sum-exp: each of the BLOCK_V lanes keeps its own running max and sums,
+    # merged once after the loop. This costs a second exp per logit but no block-wide reduction
+    # (shared memory + barrier) per iteration, which left the first version latency-bound.
+    lane_max = tl.full([BLOCK_V], float("-inf"), tl.float32)
+    lane_sum = tl.zeros([BLOCK_V], tl.float32)
+    lane_sum_z = tl.zeros([BLOCK_V], tl.float32)
+    lane_z = tl.zeros([BLOCK_V], tl.float32)
+    lane_target = tl.zeros([BLOCK_V], tl.float32)
+    lane_before_target = tl.full([BLOCK_V], float("-inf"), tl.float32)
     for start in range(0, vocab_size, BLOCK_V):
         cols = start + tl.arange(0, BLOCK_V)
         in_row = cols < vocab_size
@@ -109,18 +112,27 @@ def _stats_kernel(
         z, _ = _transform(raw, logit_scale, softcap, inv_temperature, HAS_SOFTCAP)
         z_or_0 = tl.where(in_row, z, 0.0)
         z = tl.where(in_row, z, float("-inf"))
-        new_max = tl.maximum(running_max, tl.max(z, 0))
-        rescale = tl.exp(running_max - new_max)
-        e = tl.exp(z - new_max)
-        sum_exp = sum_exp * rescale + tl.sum(e, 0)
+        new_max = tl.maximum(lane_max, z)
+        empty_lane = new_max == float("-inf")  # only padding seen so far: keep zero sums, no inf - inf
+        rescale = tl.where(empty_lane, 1.0, tl.exp(lane_max - new_max))
+        e = tl.where(empty_lane, 0.0, tl.exp(z - new_max))
+        lane_sum = lane_sum * rescale + e
         if WANT_ENTROPY:
-            sum_exp_z = sum_exp_z * rescale + tl.sum(e * z_or_0, 0)
-        running_max = new_max
+            lane_sum_z = lane_sum_z * rescale + e * z_or_0
+        lane_max = new_max
         if HAS_SMOOTHING or WANT_MEAN_LOGIT:
-            sum_z += tl.sum(z_or_0, 0)
-        target_z += tl.sum(tl.where(cols == label, z_or_0, 0.0), 0)
+            lane_z += z_or_0
+        lane_target += tl.where(cols == label, z_or_0, 0.0)
         if WANT_TOP1:
-            max_before_target = tl.maximum(max_before_target, tl.max(tl.where(cols < label, z, float("-inf")), 0))
+            lane_before_target = tl.maximum(lane_before_target, tl.where(cols < label, z, float("-inf")))
+
+    running_max = tl.max(lane_max, 0)
+    lane_weight = tl.where(lane_max == float("-inf"), 0.0, tl.exp(lane_max - running_max))
+    sum_exp = tl.sum(lane_sum * lane_weight, 0)
+    sum_exp_z = tl.sum(lane_sum_z * lane_weight, 0)
+    sum_z = tl.sum(lane_z, 0)
+    target_z = tl.sum(lane_target, 0)
+    max_before_target = tl.max(lane_before_target, 0)
 
     lse = running_max + tl.log(sum_exp)
     loss = lse - target_z

@@ -23,8 +23,9 @@ except ImportError:  # pragma: no cover - depends on the platform
     _kernels = None
     HAS_TRITON = False
 
-# Vocabulary block per program iteration; 4096 fp32 lanes keep 16 registers per thread at 8 warps.
-_BLOCK_V_STATS = 4096
+# Vocabulary block per program iteration: the stats kernel keeps six fp32 per-lane accumulators,
+# 2048 lanes at 8 warps is 8 registers per thread for each.
+_BLOCK_V_STATS = 2048
 _BLOCK_V_GRAD = 4096
 
 
