@@ -1,13 +1,29 @@
 """lce_patch: train Hugging Face language models without materializing the logits."""
 
+from typing import Any
+
+from .models import apply_fused_lce, revert_fused_lce, supported_architectures
 from .ops import FusedLinearCrossEntropy, TokenOutputs, fused_linear_cross_entropy, fused_linear_log_probs
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "FusedLCECallback",
     "FusedLinearCrossEntropy",
     "TokenOutputs",
     "__version__",
+    "apply_fused_lce",
     "fused_linear_cross_entropy",
     "fused_linear_log_probs",
+    "revert_fused_lce",
+    "supported_architectures",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    # FusedLCECallback imports the transformers Trainer stack (seconds): load it on first use.
+    if name == "FusedLCECallback":
+        from .integrations.trainer import FusedLCECallback
+
+        return FusedLCECallback
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

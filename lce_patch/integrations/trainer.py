@@ -1,0 +1,83 @@
+"""``FusedLCECallback``: one line to train any ``transformers.Trainer`` with the fused loss.
+
+    trainer = Trainer(model=model, args=args, ..., callbacks=[FusedLCECallback()])
+
+The model (or the model under a PEFT wrapper) is patched with :func:`lce_patch.apply_fused_lce` at the
+end of ``Trainer.__init__``, before accelerate prepares it, so the loss runs inside the model's
+forward under DDP, FSDP and DeepSpeed. Evaluation with labels returns the fused loss and no logits
+unless ``return_logits_in_eval=True`` (needed with ``compute_metrics``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from transformers import PreTrainedModel, TrainerCallback
+
+from ..models import LCEOptions, apply_fused_lce, unwrap_causal_lm
+
+
+def _liger_fuses_the_loss(args: Any) -> bool:
+    if not getattr(args, "use_liger_kernel", False):
+        return False
+    config = getattr(args, "liger_kernel_config", None) or {}
+    return bool(config.get("fused_linear_cross_entropy", True))
+
+
+class FusedLCECallback(TrainerCallback):
+    """Patch the Trainer's model with :func:`lce_patch.apply_fused_lce` (options as there).
+
+    Subclasses (e.g. for TRL trainers) extend :meth:`install_trainer_heads`, which runs at
+    ``on_train_begin``, once the trainer has finished setting its model up.
+    """
+
+    def __init__(self, **options: Any) -> None:
+        LCEOptions.from_kwargs(options)  # fail at construction on a bad option
+        self.options = dict(options)
+
+    def check_args(self, args: Any) -> None:
+        """Refuse TrainingArguments that would bypass or break the fused loss."""
+        if _liger_fuses_the_loss(args):
+            raise ValueError(
+                "lce_patch: FusedLCECallback and use_liger_kernel with Liger's fused linear cross-entropy both "
+                "replace the model's forward; Liger's would silently win. Set "
+                "liger_kernel_config={'fused_linear_cross_entropy': False} to keep Liger's other kernels, or drop "
+                "the callback."
+            )
+        if getattr(args, "label_smoothing_factor", 0.0):
+            raise ValueError(
+                "lce_patch: TrainingArguments.label_smoothing_factor needs the logits, which the fused loss never "
+                "builds. Use FusedLCECallback(label_smoothing=...) instead and set label_smoothing_factor=0."
+            )
+
+    def patch_model(self, model: torch.nn.Module | None) -> None:
+        """Patch ``model`` (a Hugging Face model or a PEFT model around one) unless it already is."""
+        if model is None or not isinstance(unwrap_causal_lm(model), PreTrainedModel):
+            return  # e.g. an FSDP1 wrapper at on_train_begin: what it wraps was patched at on_init_end
+        if "_lce_patch_options" not in vars(unwrap_causal_lm(model)):  # an instance patch, not only a class one
+            apply_fused_lce(model, **self.options)
+
+    def install_trainer_heads(self, model: torch.nn.Module | None) -> bool:
+        """Hook for trainers that install their own LM head after ``__init__`` (TRL >= 1.15 SFTTrainer).
+
+        Returns whether such a head was found (and now runs through lce_patch's op).
+        """
+        if model is None:
+            return False
+        try:
+            from .trl import maybe_install_trl_head
+        except ImportError:
+            return False
+        return maybe_install_trl_head(model, dict(self.options))
+
+    def on_init_end(self, args, state, control, model=None, **kwargs):
+        self.check_args(args)
+        self.patch_model(model)
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        self.check_args(args)
+        # TRL's head first: patching its forward from outside (a callback added after __init__)
+        # would replace the head that SFTTrainer.compute_loss calls with fused_lm_head=True.
+        if not self.install_trainer_heads(model):
+            self.patch_model(model)  # a model built by model_init at train() was not there at on_init_end

@@ -1,0 +1,529 @@
+"""TRL's fused-LM-head protocol (TRL >= 1.15), served by this package's op.
+
+Since TRL 1.15 every TRL trainer (SFT, DPO, GRPO, KTO, RLOO) calls ``trl.trainer.utils.add_fused_lm_head`` on the
+policy, which rebinds the *instance* ``model.forward`` with TRL's ``_fused_forward``, and then calls
+``model(..., fused_lm_head=True)``, reading per-token ``log_probs`` (with gradient), ``entropy``, ``is_top1`` and
+``label_mask`` from a ``FusedCausalLMOutput``. A forward patch under it is bypassed on that path.
+
+:func:`maybe_install_trl_head` finds that forward (on the model, or on the model under a PEFT wrapper, where TRL puts
+it), checks that the protocol is the one this module implements, and rebinds it, on that instance only, with a
+forward that answers the same calls through :func:`lce_patch.fused_linear_log_probs`. The TRL forward is kept, and
+:func:`remove_trl_head` puts it back. Nothing in TRL is patched at module level.
+
+Detection is by feature, not by version: the forward's code object is named ``_fused_forward`` and lives in a
+``trl.`` module; its closure holds the variables ``add_fused_lm_head`` captures (the wrapped forward, the requested
+``outputs``, ``temperature``, ...); its signature and TRL's ``FusedCausalLMOutput`` fields are the known ones. Anything
+else TRL installed on the forward raises :class:`TRLProtocolError`, naming the TRL version and what is unrecognised.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+import types
+import warnings
+from collections.abc import Callable
+from contextlib import nullcontext
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .. import ops as _ops
+from ..models import get_head_config, head_call, unwrap_causal_lm
+
+__all__ = ["TRLProtocolError", "find_trl_head", "maybe_install_trl_head", "remove_trl_head"]
+
+_IGNORE_INDEX = -100  # TRL's fused head hard-codes it
+
+# What `add_fused_lm_head` (TRL 1.15-1.16) closes over, and the shape of the forward it installs
+_REQUIRED_FREEVARS = frozenset(
+    {"original_forward", "text_config", "backbone_attr", "cast_lm_head_to_fp32", "temperature", "outputs"}
+)
+_KNOWN_FREEVARS = _REQUIRED_FREEVARS | {"final_logit_softcapping", "logit_scale"}
+_FORWARD_PARAMS = (
+    ("self", inspect.Parameter.POSITIONAL_OR_KEYWORD),
+    ("args", inspect.Parameter.VAR_POSITIONAL),
+    ("fused_lm_head", inspect.Parameter.KEYWORD_ONLY),
+    ("labels", inspect.Parameter.KEYWORD_ONLY),
+    ("shift_labels", inspect.Parameter.KEYWORD_ONLY),
+    ("num_items_in_batch", inspect.Parameter.KEYWORD_ONLY),
+    ("kwargs", inspect.Parameter.VAR_KEYWORD),
+)
+_INSTALLER_PARAMS = ("model", "temperature", "cast_lm_head_to_fp32", "outputs")
+_OUTPUT_FIELDS = (
+    "loss",
+    "log_probs",
+    "entropy",
+    "log_sum_sq_probs",
+    "mean_logits",
+    "is_top1",
+    "label_mask",
+    "aux_loss",
+)
+# Per-token outputs TRL can request, and those this module computes
+_TRL_OUTPUTS = frozenset({"log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1"})
+_SUPPORTED_OUTPUTS = frozenset({"log_probs", "entropy", "is_top1"})
+# Options of `apply_fused_lce` / `FusedLCECallback` that reach the op here; the rest configure the model patch
+_OP_OPTIONS = ("backend", "chunk_size")
+# Options that would change the loss TRL asked for: allowed only at their neutral value
+_NEUTRAL_OPTIONS = {"label_smoothing": 0.0, "z_loss": 0.0, "ignore_index": _IGNORE_INDEX}
+_MAX_WRAPPER_DEPTH = 16
+_RECORD_ATTR = "__lce_trl_head__"
+
+
+class TRLProtocolError(RuntimeError):
+    """TRL installed a fused LM head whose protocol this version of lce_patch does not recognise."""
+
+
+def _trl_version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("trl")
+    except Exception:  # noqa: BLE001 - only for the message
+        try:
+            import trl
+
+            return str(getattr(trl, "__version__", "unknown"))
+        except Exception:  # noqa: BLE001
+            return "unknown"
+
+
+def _fail(what: str) -> None:
+    raise TRLProtocolError(
+        f"lce_patch does not recognise the fused LM head installed by TRL {_trl_version()}: {what}. "
+        "lce_patch implements the protocol of TRL 1.15-1.16 (`add_fused_lm_head`, `model(..., fused_lm_head=True)` "
+        "-> `FusedCausalLMOutput`). Upgrade lce_patch, pin a TRL it supports, or train without FusedLCECallback "
+        "(TRL's own fused head then computes the loss)."
+    )
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Finding the forward TRL installed
+
+
+def _is_trl_callable(fn: Any) -> bool:
+    """Whether ``fn`` (a function or callable object) is defined in a ``trl`` module."""
+    module = fn.__globals__.get("__name__", "") if inspect.isfunction(fn) else type(fn).__module__
+    return module == "trl" or module.startswith("trl.")
+
+
+def _is_trl_fused_forward(fn: Any) -> bool:
+    return inspect.isfunction(fn) and fn.__code__.co_name == "_fused_forward" and _is_trl_callable(fn)
+
+
+def _looks_like_a_trl_head(fn: Any) -> bool:
+    """A TRL callable on a model's forward that speaks some fused-head protocol (named so, or taking the kwarg)."""
+    if not _is_trl_callable(fn):
+        return False
+    name = getattr(getattr(fn, "__code__", None), "co_name", None) or getattr(fn, "__name__", type(fn).__name__)
+    try:
+        params = inspect.signature(fn, follow_wrapped=False).parameters
+    except (TypeError, ValueError):
+        params = {}
+    return "fused" in name or "lm_head" in name or "fused_lm_head" in params
+
+
+def _is_ours(fn: Any) -> bool:
+    return inspect.isfunction(fn) and isinstance(getattr(fn, _RECORD_ATTR, None), _Install)
+
+
+def _target(node: Any) -> Any:
+    return node.__func__ if inspect.ismethod(node) else node
+
+
+def _head_path(owner: torch.nn.Module) -> list[Any] | None:
+    """The wrapper chain from the instance ``forward`` down to TRL's ``_fused_forward`` (or ours in its place).
+
+    The chain follows ``__wrapped__``: when the Trainer prepared the model with mixed precision (before
+    ``on_train_begin``), accelerate's fp32-output and autocast wrappers sit above TRL's forward. None when the
+    instance has no such forward; raises for a TRL head this module does not recognise.
+    """
+    node = owner.__dict__.get("forward")
+    path: list[Any] = []
+    while node is not None and len(path) < _MAX_WRAPPER_DEPTH:
+        path.append(node)
+        target = _target(node)
+        if _is_trl_fused_forward(target) or _is_ours(target):
+            return path  # their own `__wrapped__` is the class forward
+        if _looks_like_a_trl_head(target):
+            name = getattr(getattr(target, "__code__", None), "co_name", None) or type(target).__qualname__
+            module = target.__globals__.get("__name__") if inspect.isfunction(target) else type(target).__module__
+            _fail(f"{type(owner).__name__}.forward is TRL's `{module}.{name}`, not the `_fused_forward` it knows")
+        if _is_trl_callable(target):
+            return None  # some other TRL forward (a TRL model class), not a fused head
+        node = getattr(target, "__wrapped__", None)
+    return None
+
+
+def _candidates(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The model and the causal LM under it: TRL installs its head on ``peft_model.get_base_model()``."""
+    seen: dict[int, torch.nn.Module] = {}
+
+    def add(m: Any) -> None:
+        if isinstance(m, torch.nn.Module):
+            seen.setdefault(id(m), m)
+
+    add(model)
+    get_base = getattr(model, "get_base_model", None)
+    if callable(get_base):
+        add(get_base())
+    add(getattr(model, "module", None))  # DDP / DeepSpeed engine
+    add(unwrap_causal_lm(model))
+    return list(seen.values())
+
+
+def find_trl_head(model: torch.nn.Module) -> torch.nn.Module | None:
+    """The module (``model`` or the causal LM under its PEFT wrapper) whose forward is TRL's fused head, or ours in
+    its place; None if there is none. Raises :class:`TRLProtocolError` for a TRL forward it does not recognise."""
+    for owner in _candidates(model):
+        if _head_path(owner) is not None:
+            return owner
+    return None
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Reading TRL's protocol
+
+
+@dataclass(frozen=True)
+class _Protocol:
+    trl_function: Callable[..., Any]
+    original_forward: Callable[..., Any]
+    output_class: type
+    text_config: Any
+    backbone_attr: str
+    temperature: float
+    cast_lm_head_to_fp32: bool
+    outputs: tuple[str, ...]
+    trl_softcap: float | None
+    trl_logit_scale: float | None
+
+
+def _read_protocol(fn: Callable[..., Any]) -> _Protocol:
+    code = fn.__code__
+    freevars = dict(zip(code.co_freevars, (c.cell_contents for c in (fn.__closure__ or ())), strict=True))
+    missing = sorted(_REQUIRED_FREEVARS - freevars.keys())
+    unknown = sorted(freevars.keys() - _KNOWN_FREEVARS)
+    if missing or unknown:
+        _fail(f"its `_fused_forward` closes over {sorted(freevars)} (missing: {missing}, unrecognised: {unknown})")
+
+    params = tuple((p.name, p.kind) for p in inspect.signature(fn, follow_wrapped=False).parameters.values())
+    if params != _FORWARD_PARAMS:
+        _fail(f"`_fused_forward` has signature {[n for n, _ in params]}, expected {[n for n, _ in _FORWARD_PARAMS]}")
+
+    module_globals = fn.__globals__
+    output_class = module_globals.get("FusedCausalLMOutput")
+    if not (isinstance(output_class, type) and dataclasses.is_dataclass(output_class)):
+        _fail(f"no `FusedCausalLMOutput` dataclass in {module_globals.get('__name__')}")
+    fields = tuple(f.name for f in dataclasses.fields(output_class))
+    if fields != _OUTPUT_FIELDS:
+        _fail(f"`FusedCausalLMOutput` has fields {list(fields)}, expected {list(_OUTPUT_FIELDS)}")
+    installer = module_globals.get("add_fused_lm_head")
+    if not callable(installer):
+        _fail(f"no `add_fused_lm_head` in {module_globals.get('__name__')}")
+    installer_params = tuple(inspect.signature(installer).parameters)
+    if installer_params != _INSTALLER_PARAMS:
+        _fail(f"`add_fused_lm_head` takes {list(installer_params)}, expected {list(_INSTALLER_PARAMS)}")
+
+    outputs = freevars["outputs"]
+    if isinstance(outputs, str) or not all(isinstance(o, str) for o in outputs):
+        _fail(f"requested outputs {outputs!r} are not a tuple of names")
+    outputs = tuple(outputs)
+    unknown_outputs = sorted(set(outputs) - _TRL_OUTPUTS)
+    if unknown_outputs:
+        _fail(f"it requests per-token outputs {unknown_outputs}, unknown to this lce_patch")
+    unsupported = sorted(set(outputs) - _SUPPORTED_OUTPUTS)
+    if unsupported:
+        _fail(
+            f"it requests per-token outputs {unsupported}, which lce_patch does not compute "
+            f"(supported: {sorted(_SUPPORTED_OUTPUTS)})"
+        )
+    temperature = freevars["temperature"]
+    if isinstance(temperature, bool) or not isinstance(temperature, int | float) or not temperature > 0:
+        _fail(f"temperature {temperature!r} is not a positive number")
+    backbone_attr = freevars["backbone_attr"]
+    if not isinstance(backbone_attr, str):
+        _fail(f"backbone attribute {backbone_attr!r} is not a name")
+    if not callable(freevars["original_forward"]):
+        _fail("the forward it wrapped is not callable")
+    return _Protocol(
+        trl_function=fn,
+        original_forward=freevars["original_forward"],
+        output_class=output_class,
+        text_config=freevars["text_config"],
+        backbone_attr=backbone_attr,
+        temperature=float(temperature),
+        cast_lm_head_to_fp32=bool(freevars["cast_lm_head_to_fp32"]),
+        outputs=outputs,
+        trl_softcap=freevars.get("final_logit_softcapping"),
+        trl_logit_scale=freevars.get("logit_scale"),
+    )
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Our forward
+
+
+@dataclass
+class _Install:
+    """Attached to our forward: what it replaced, to put it back."""
+
+    protocol: _Protocol
+    trl_node: Any  # TRL's forward as the chain referenced it (bound method or function)
+    previous_forward: Any  # the instance forward before the install
+    installed_forward: Any = None  # the instance forward the install set
+
+
+def _op_kwargs(options: dict[str, Any]) -> dict[str, Any]:
+    for name, neutral in _NEUTRAL_OPTIONS.items():
+        if name in options and options[name] != neutral:
+            raise ValueError(
+                f"lce_patch: option {name}={options[name]!r} cannot apply under TRL's fused LM head, whose loss is "
+                f"the plain negative log-likelihood with ignore index {_IGNORE_INDEX}; leave it at {neutral!r}"
+            )
+    return {k: options[k] for k in _OP_OPTIONS if options.get(k) is not None}
+
+
+def _same(a: float | None, b: float | None) -> bool:
+    if a is None or b is None:
+        return a is None and b is None
+    return abs(float(a) - float(b)) <= 1e-6 * max(1.0, abs(float(a)))
+
+
+def _make_forward(owner: torch.nn.Module, protocol: _Protocol, options: dict[str, Any]) -> Callable[..., Any]:
+    head = get_head_config(owner)
+    softcap = head.softcap
+    logit_scale = 1.0 if head.logit_scale is None else float(head.logit_scale)
+    trl_scale = 1.0 if protocol.trl_logit_scale is None else protocol.trl_logit_scale
+    if not (_same(softcap, protocol.trl_softcap) and _same(logit_scale, trl_scale)):
+        warnings.warn(
+            f"lce_patch: for {type(owner).__name__}, TRL's fused head would use softcap={protocol.trl_softcap} and "
+            f"logit_scale={trl_scale}, lce_patch uses softcap={softcap} and logit_scale={logit_scale} (the model's "
+            "own forward); the losses will differ from TRL's.",
+            stacklevel=3,
+        )
+    op_kwargs = _op_kwargs(options)
+    want_entropy = "entropy" in protocol.outputs
+    want_top1 = "is_top1" in protocol.outputs
+    text_config = protocol.text_config
+    original_forward = protocol.original_forward
+    output_class = protocol.output_class
+    temperature = protocol.temperature
+    cast_fp32 = protocol.cast_lm_head_to_fp32
+
+    def score(weight, bias, hidden, labels):
+        # Runs inside the lm_head module call (`head_call`), where FSDP / ZeRO-3 have gathered the weight
+        autocast_ctx = nullcontext()
+        if cast_fp32:
+            hidden, weight = hidden.float(), weight.float()
+            bias = None if bias is None else bias.float()
+            autocast_ctx = torch.autocast(hidden.device.type, enabled=False)
+        elif not torch.is_autocast_enabled(hidden.device.type) and weight.dtype != hidden.dtype:
+            # Like TRL: without autocast the projection runs in the hidden states' dtype
+            weight = weight.to(hidden.dtype)
+            bias = None if bias is None else bias.to(hidden.dtype)
+        with autocast_ctx:
+            return _ops.fused_linear_log_probs(
+                hidden,
+                weight,
+                labels,
+                bias=bias,
+                ignore_index=_IGNORE_INDEX,
+                softcap=softcap,
+                logit_scale=logit_scale,
+                temperature=temperature,
+                return_entropy=want_entropy,
+                return_is_top1=want_top1,
+                **op_kwargs,
+            )
+
+    @functools.wraps(type(owner).forward)  # keeps the signature `generate` validates its kwargs against
+    def _lce_fused_forward(
+        self, *args, fused_lm_head=False, labels=None, shift_labels=None, num_items_in_batch=None, **kwargs
+    ):
+        if not fused_lm_head:
+            if labels is not None:
+                kwargs["labels"] = labels
+            if shift_labels is not None:
+                kwargs["shift_labels"] = shift_labels
+            if num_items_in_batch is not None:
+                kwargs["num_items_in_batch"] = num_items_in_batch
+            return original_forward(*args, **kwargs)
+        if labels is None and shift_labels is None:
+            raise ValueError("lce_patch: model(..., fused_lm_head=True) needs `labels` or `shift_labels`")
+
+        kwargs["use_cache"] = False
+        if getattr(text_config, "output_router_logits", False):
+            kwargs.setdefault("output_router_logits", True)
+        backbone_outputs = getattr(self, protocol.backbone_attr)(*args, **kwargs)
+        hidden = backbone_outputs.last_hidden_state
+        if shift_labels is None:
+            hidden, labels = hidden[:, :-1], labels[:, 1:]
+        else:
+            labels = shift_labels
+        lm_head = self.get_output_embeddings()  # looked up per call: FSDP and PEFT replace it after patching
+        device = lm_head.weight.device
+        per_token = head_call(lm_head, score, hidden.to(device), labels.to(device))
+        log_probs, mask = per_token.log_probs, per_token.label_mask
+        denominator = mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch
+        loss = -log_probs.sum() / denominator
+
+        aux_loss = None
+        if kwargs.get("output_router_logits"):
+            aux_loss = _load_balancing_loss(self, text_config, backbone_outputs, kwargs.get("attention_mask"))
+            loss = loss + getattr(text_config, "router_aux_loss_coef", 0.0) * aux_loss
+        return output_class(
+            loss=loss,
+            log_probs=log_probs,
+            entropy=per_token.entropy,
+            log_sum_sq_probs=None,
+            mean_logits=None,
+            is_top1=per_token.is_top1,
+            label_mask=mask,
+            aux_loss=aux_loss,
+        )
+
+    return _lce_fused_forward
+
+
+def _load_balancing_loss(model, text_config, backbone_outputs, attention_mask):
+    """The MoE auxiliary loss exactly as TRL 1.16's `_fused_forward` computes it."""
+    import transformers
+    from packaging.version import Version
+    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+
+    tf_version = Version(transformers.__version__)
+    if tf_version < Version("5.0.0"):
+        num_experts, top_k = model.num_experts, model.num_experts_per_tok
+    else:
+        if text_config.model_type == "gpt_oss" and tf_version < Version("5.6.0"):
+            num_experts = model.num_experts
+        else:
+            num_experts = text_config.num_experts
+        top_k = text_config.num_experts_per_tok
+    return load_balancing_loss_func(backbone_outputs.router_logits, num_experts, top_k, attention_mask)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Installing and removing
+
+
+def _clone_replacing(node: Any, old: Any, new: Any) -> Any:
+    """A copy of the wrapper ``node`` that calls ``new`` where it called ``old`` (``node`` itself is untouched, since
+    wrappers can be shared, e.g. by a deep copy of the model)."""
+    if inspect.ismethod(node):
+        return types.MethodType(_clone_replacing(node.__func__, old, new), node.__self__)
+    replaced = False
+    if inspect.isfunction(node):
+        cells = []
+        for cell in node.__closure__ or ():
+            try:
+                contents = cell.cell_contents
+            except ValueError:  # an empty cell
+                contents = None
+            if contents is old:
+                cells.append(types.CellType(new))
+                replaced = True
+            else:
+                cells.append(cell)
+        clone = types.FunctionType(
+            node.__code__, node.__globals__, node.__name__, node.__defaults__, tuple(cells) if cells else None
+        )
+        clone.__kwdefaults__ = node.__kwdefaults__
+        clone.__qualname__ = node.__qualname__
+        clone.__doc__ = node.__doc__
+        clone.__module__ = node.__module__
+    else:
+        try:
+            clone = object.__new__(type(node))
+        except TypeError:
+            clone = None
+        if clone is None or not hasattr(node, "__dict__") or not hasattr(clone, "__dict__"):
+            _fail(f"its forward sits under a wrapper ({type(node).__qualname__}) that lce_patch cannot copy")
+    clone.__dict__.update(node.__dict__)
+    for name, value in list(clone.__dict__.items()):
+        if value is old and name != "__wrapped__":
+            setattr(clone, name, new)
+            replaced = True
+    if not replaced:
+        what = getattr(node, "__qualname__", type(node).__qualname__)
+        _fail(f"its forward sits under a wrapper ({what}) that does not hold it where lce_patch can see it")
+    if clone.__dict__.get("__wrapped__") is old:
+        clone.__wrapped__ = new
+    return clone
+
+
+def _rebuilt(path: list[Any], function: Callable[..., Any]) -> Any:
+    """The instance forward of ``path`` with its last node's function replaced by ``function``."""
+    last = path[-1]
+    new = types.MethodType(function, last.__self__) if inspect.ismethod(last) else function
+    for node, old in zip(reversed(path[:-1]), reversed(path[1:]), strict=True):
+        new = _clone_replacing(node, old, new)
+    return new
+
+
+def _set_forward(owner: torch.nn.Module, new_top: Any, old_last: Any, new_last: Any) -> None:
+    owner.forward = new_top
+    # accelerate keeps the pre-autocast forward, restored by `unwrap_model(keep_fp32_wrapper=False)`
+    if "_original_forward" in owner.__dict__ and owner.__dict__["_original_forward"] == old_last:
+        owner._original_forward = new_last
+
+
+def maybe_install_trl_head(model: torch.nn.Module, options: dict[str, Any] | None = None) -> bool:
+    """Serve TRL's fused LM head with lce_patch's op, if TRL installed one on ``model``.
+
+    Looks at ``model`` and at the causal LM under a PEFT wrapper. When TRL's ``_fused_forward`` (TRL >= 1.15) is that
+    instance's forward, possibly under accelerate's mixed-precision wrappers, it is replaced, on the instance only,
+    by a forward with the same protocol: ``fused_lm_head=False`` calls the forward TRL wrapped;
+    ``fused_lm_head=True`` runs the backbone and returns TRL's ``FusedCausalLMOutput`` computed by
+    :func:`lce_patch.fused_linear_log_probs` inside the ``lm_head`` module call. Idempotent.
+
+    Args:
+        model: the trainer's model (a ``PreTrainedModel``, or a PEFT model around one).
+        options: ``apply_fused_lce`` options; ``backend`` and ``chunk_size`` reach the op. ``label_smoothing``,
+            ``z_loss`` and ``ignore_index`` must be neutral: TRL's loss is the plain NLL.
+
+    Returns:
+        True if TRL's head is (now) served by lce_patch, False if TRL has no fused head on this model.
+
+    Raises:
+        TRLProtocolError: TRL installed a head whose protocol is not the one implemented here (an unknown TRL
+            version, or per-token outputs lce_patch does not compute, such as ``log_sum_sq_probs``).
+    """
+    options = dict(options or {})
+    installed = False
+    for owner in _candidates(model):
+        path = _head_path(owner)
+        if path is None:
+            continue
+        installed = True
+        trl_node = path[-1]
+        if _is_ours(_target(trl_node)):
+            continue
+        protocol = _read_protocol(_target(trl_node))
+        ours = _make_forward(owner, protocol, options)
+        record = _Install(protocol, trl_node=trl_node, previous_forward=path[0])
+        setattr(ours, _RECORD_ATTR, record)
+        new_top = _rebuilt(path, ours)
+        record.installed_forward = new_top
+        our_node = types.MethodType(ours, trl_node.__self__) if inspect.ismethod(trl_node) else ours
+        _set_forward(owner, new_top, trl_node, our_node)
+    return installed
+
+
+def remove_trl_head(model: torch.nn.Module) -> bool:
+    """Put TRL's own fused forward back where :func:`maybe_install_trl_head` replaced it. Returns whether it did."""
+    removed = False
+    for owner in _candidates(model):
+        path = _head_path(owner)
+        if path is None or not _is_ours(_target(path[-1])):
+            continue
+        record: _Install = getattr(_target(path[-1]), _RECORD_ATTR)
+        # exactly what was there, unless something wrapped the forward since; then swap the innermost node only
+        new_top = record.previous_forward if path[0] is record.installed_forward else _rebuilt(path, record.trl_node)
+        _set_forward(owner, new_top, path[-1], record.trl_node)
+        removed = True
+    return removed

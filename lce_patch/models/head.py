@@ -1,0 +1,115 @@
+"""Reaching the LM head the way distributed wrappers expect: through the module call.
+
+FSDP1, FSDP2 and DeepSpeed ZeRO-3 gather a module's parameters in its forward hooks and arm their
+backward hooks on its outputs. :func:`head_call` therefore runs the fused loss *inside*
+``lm_head(...)``, by redirecting the head module's ``forward`` for the duration of one call, instead
+of reading ``lm_head.weight`` behind the wrappers' back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+
+def _peft_classes() -> tuple[tuple[type, ...], tuple[type, ...], tuple[type, ...]]:
+    """(ModulesToSaveWrapper, TrainableTokensWrapper, BaseTunerLayer) classes, empty when PEFT is absent."""
+    try:
+        from peft.tuners.tuners_utils import BaseTunerLayer
+        from peft.utils.other import ModulesToSaveWrapper
+    except ImportError:
+        return (), (), ()
+    try:
+        from peft.utils.other import TrainableTokensWrapper
+
+        trainable_tokens: tuple[type, ...] = (TrainableTokensWrapper,)
+    except ImportError:
+        trainable_tokens = ()
+    return (ModulesToSaveWrapper,), trainable_tokens, (BaseTunerLayer,)
+
+
+def unwrap_causal_lm(model: torch.nn.Module) -> torch.nn.Module:
+    """The Hugging Face CausalLM under a PEFT wrapper (``PeftModel``), or ``model`` itself."""
+    try:
+        from peft import PeftModel
+    except ImportError:
+        return model
+    if isinstance(model, PeftModel):
+        return model.get_base_model()
+    return model
+
+
+def _fsdp1_inner(module: torch.nn.Module) -> torch.nn.Module:
+    """The module an FSDP1 ``FullyShardedDataParallel`` wraps (or ``module`` itself)."""
+    return getattr(module, "_fsdp_wrapped_module", module)
+
+
+def resolve_head_module(lm_head: torch.nn.Module) -> torch.nn.Module:
+    """The module whose weight the head uses right now: the active ``modules_to_save`` copy under PEFT.
+
+    Raises ``NotImplementedError`` for a LoRA (or other PEFT tuner) layer on the head: reading its base
+    weight would silently skip the adapter.
+    """
+    modules_to_save, trainable_tokens, tuner_layers = _peft_classes()
+    head = _fsdp1_inner(lm_head)
+    if modules_to_save and isinstance(head, modules_to_save):
+        active = head.active_adapters
+        if head.disable_adapters or not active or any(name not in head._adapters for name in active):
+            return head.original_module
+        return head.modules_to_save[active[0]]
+    if trainable_tokens and isinstance(head, trainable_tokens):
+        return lm_head  # its ``weight`` attribute already merges the trained token rows
+    if tuner_layers and isinstance(head, tuner_layers):
+        raise NotImplementedError(
+            f"lce_patch: the LM head is a PEFT adapter layer ({type(head).__module__}.{type(head).__name__}, e.g. LoRA "
+            "with 'lm_head' in target_modules). The fused loss reads the head's weight and would silently skip "
+            "the adapter. Remove 'lm_head' from target_modules (train it fully with modules_to_save=['lm_head'] "
+            "instead), or do not patch this model."
+        )
+    return lm_head
+
+
+def _head_params(module: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
+    weight = module.weight
+    try:
+        bias = module.bias
+    except AttributeError:
+        bias = None
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+        raise TypeError(
+            f"lce_patch: the LM head ({type(module).__name__}) has no 2-D weight; only Linear-like heads are supported"
+        )
+    return weight, bias if isinstance(bias, torch.Tensor) else None
+
+
+def head_call(lm_head: torch.nn.Module, fn: Callable[..., Any], *args: Any) -> Any:
+    """Run ``fn(weight, bias, *args)`` inside the call of the ``lm_head`` module.
+
+    The head module's ``forward`` is redirected for this one call, so FSDP1/FSDP2/ZeRO-3 hooks gather
+    the weight before ``fn`` runs and register their backward hooks on its output. ``weight`` and
+    ``bias`` are read inside the call (the gathered tensors). A PEFT ``ModulesToSaveWrapper`` resolves to
+    its active copy; a LoRA layer on the head raises ``NotImplementedError``. Tensor arguments should
+    be passed in ``args`` (not captured by ``fn``) when the hooks must see them, e.g. to cast inputs.
+    """
+    module = resolve_head_module(lm_head)
+    inner = _fsdp1_inner(module)
+
+    def redirected(*call_args: Any) -> Any:
+        weight, bias = _head_params(inner)
+        return fn(weight, bias, *call_args)
+
+    # accelerate's hooks (device_map / offload) keep the real forward in ``_old_forward`` and call it
+    # after moving the weights: redirect that one so their pre-forward still runs.
+    attr = "_old_forward" if "_old_forward" in inner.__dict__ else "forward"
+    had_own = attr in inner.__dict__
+    previous = inner.__dict__.get(attr)
+    setattr(inner, attr, redirected)
+    try:
+        return module(*args)
+    finally:
+        if had_own:
+            setattr(inner, attr, previous)
+        else:
+            delattr(inner, attr)

@@ -1,0 +1,182 @@
+"""FusedLCECallback: a Trainer run with the callback equals an unpatched run; evaluation still works."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from transformers import Trainer, TrainingArguments
+
+import lce_patch
+from lce_patch import FusedLCECallback
+from lce_patch.models import forward as forward_module
+from lce_patch.models import is_patched, unwrap_causal_lm
+from tests.models.tiny import VOCAB, assert_close, tiny_model
+
+SEQ = 16
+
+
+def _dataset(n: int, seed: int) -> list[dict]:
+    generator = torch.Generator().manual_seed(seed)
+    rows = []
+    for i in range(n):
+        input_ids = torch.randint(0, VOCAB, (SEQ,), generator=generator)
+        labels = input_ids.clone()
+        labels[: (3 * i) % 11] = -100  # prompts of varying length: micro-batches hold different token counts
+        attention_mask = torch.ones(SEQ, dtype=torch.long)
+        if i % 3 == 0:
+            attention_mask[-4:] = 0
+            labels[-4:] = -100
+        rows.append(dict(input_ids=input_ids, attention_mask=attention_mask, labels=labels))
+    return rows
+
+
+def _args(tmp_path, **overrides) -> TrainingArguments:
+    options = dict(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=2,
+        per_device_eval_batch_size=2,
+        gradient_accumulation_steps=1,
+        max_steps=3,
+        # SGD: the final weights are then a linear function of the gradients, so rel 1e-5 is meaningful
+        # (Adam's m / sqrt(v) amplifies float noise in near-zero gradient entries)
+        optim="sgd",
+        learning_rate=0.05,
+        logging_steps=1,
+        use_cpu=True,
+        report_to=[],
+        save_strategy="no",
+        seed=0,
+        disable_tqdm=True,
+    )
+    options.update(overrides)
+    return TrainingArguments(**options)
+
+
+@pytest.fixture
+def op_calls(monkeypatch):
+    """Counts the fused op's calls through the patched forward (proof that the fused path ran)."""
+    calls = []
+    original = forward_module.fused_linear_cross_entropy
+
+    def counting(*args, **kwargs):
+        calls.append(kwargs.get("num_items_in_batch"))
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(forward_module, "fused_linear_cross_entropy", counting)
+    return calls
+
+
+def _lora(model):
+    peft = pytest.importorskip("peft")
+    torch.manual_seed(1)
+    config = peft.LoraConfig(
+        task_type="CAUSAL_LM",
+        r=4,
+        lora_alpha=8,
+        lora_dropout=0.0,
+        init_lora_weights=False,
+        target_modules=["q_proj", "v_proj"],
+    )
+    return peft.get_peft_model(model, config)
+
+
+def _train(tmp_path, callbacks, model_type="llama", use_lora=False, **args):
+    model = tiny_model(model_type)
+    if use_lora:
+        model = _lora(model)
+    initial = {name: param.detach().clone() for name, param in model.named_parameters()}
+    trainer = Trainer(model=model, args=_args(tmp_path, **args), train_dataset=_dataset(12, 0), callbacks=callbacks)
+    trainer.train()
+    losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    final = {name: param.detach().clone() for name, param in trainer.model.named_parameters()}
+    return trainer, losses, (initial, final)
+
+
+def _assert_same_run(tmp_path, op_calls, **kwargs):
+    _, ref_losses, (_, ref_final) = _train(tmp_path / "ref", [], **kwargs)
+    assert not op_calls
+    trainer, losses, (initial, final) = _train(tmp_path / "fused", [FusedLCECallback(backend="torch")], **kwargs)
+    assert is_patched(trainer.model)
+    assert len(op_calls) == 3 * trainer.args.gradient_accumulation_steps  # every micro-batch went through the op
+    assert len(losses) == len(ref_losses) == 3
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    assert any(not torch.equal(final[name], initial[name]) for name in final)
+    for name, param in final.items():
+        assert_close(param, ref_final[name], rel=1e-6, what=name)
+        # what training changed agrees too (to fp32 rounding of the weights themselves)
+        assert_close(param - initial[name], ref_final[name] - initial[name], rel=1e-3, what=f"update of {name}")
+    return trainer
+
+
+@pytest.mark.parametrize("model_type", ["llama", "gemma2"])
+def test_training_equals_an_unpatched_run(tmp_path, op_calls, model_type):
+    _assert_same_run(tmp_path, op_calls, model_type=model_type)
+
+
+def test_gradient_accumulation_uses_num_items_in_batch(tmp_path, op_calls):
+    _assert_same_run(tmp_path, op_calls, gradient_accumulation_steps=2)
+    assert all(n is not None for n in op_calls)  # the loss is sum / num_items_in_batch, never / GA steps
+
+
+def test_peft_lora(tmp_path, op_calls):
+    trainer = _assert_same_run(tmp_path, op_calls, use_lora=True, gradient_accumulation_steps=2)
+    assert type(trainer.model).__name__.startswith("PeftModel")
+    assert "forward" in vars(unwrap_causal_lm(trainer.model))
+
+
+def _token_accuracy(prediction):
+    predictions, labels = prediction.predictions, prediction.label_ids
+    predicted = predictions.argmax(-1)[:, :-1]
+    targets = labels[:, 1:]
+    mask = targets != -100
+    return {"token_accuracy": float((predicted == targets)[mask].mean())}
+
+
+def test_evaluation_with_prediction_loss_only_and_with_compute_metrics(tmp_path, op_calls):
+    eval_dataset = _dataset(6, 1)
+    results = {}
+    for name, callbacks, metrics in [
+        ("ref_loss", [], None),
+        ("fused_loss", [FusedLCECallback()], None),
+        ("ref_metrics", [], _token_accuracy),
+        ("fused_metrics", [FusedLCECallback(return_logits_in_eval=True)], _token_accuracy),
+    ]:
+        trainer = Trainer(
+            model=tiny_model("qwen2"),
+            args=_args(tmp_path / name),
+            eval_dataset=eval_dataset,
+            compute_metrics=metrics,
+            callbacks=callbacks,
+        )
+        results[name] = trainer.evaluate()
+    assert len(op_calls) == 2 * 3  # both patched evaluations (3 batches each) used the fused op
+    assert_close(torch.tensor(results["fused_loss"]["eval_loss"]), torch.tensor(results["ref_loss"]["eval_loss"]))
+    assert_close(torch.tensor(results["fused_metrics"]["eval_loss"]), torch.tensor(results["ref_metrics"]["eval_loss"]))
+    assert results["fused_metrics"]["eval_token_accuracy"] == results["ref_metrics"]["eval_token_accuracy"]
+
+
+def test_refuses_liger_fused_cross_entropy_and_label_smoothing(tmp_path):
+    model = tiny_model("llama")
+    with pytest.raises(ValueError, match="fused_linear_cross_entropy"):
+        Trainer(model=model, args=_args(tmp_path, use_liger_kernel=True), callbacks=[FusedLCECallback()])
+    assert not is_patched(model)
+    with pytest.raises(ValueError, match="label_smoothing"):
+        Trainer(model=model, args=_args(tmp_path, label_smoothing_factor=0.1), callbacks=[FusedLCECallback()])
+    # Liger with its fused cross-entropy off is fine
+    args = _args(tmp_path, use_liger_kernel=True, liger_kernel_config={"fused_linear_cross_entropy": False})
+    Trainer(model=model, args=args, callbacks=[FusedLCECallback()])
+    assert is_patched(model)
+    lce_patch.revert_fused_lce(model)
+
+
+def test_bad_option_fails_at_construction():
+    with pytest.raises(TypeError, match="unknown option"):
+        FusedLCECallback(chunksize=3)
+
+
+def test_trl_hook_is_called_at_train_begin(tmp_path, monkeypatch):
+    seen = []
+    monkeypatch.setattr(FusedLCECallback, "install_trainer_heads", lambda self, model: seen.append(model))
+    trainer, _, _ = _train(tmp_path, [FusedLCECallback()])
+    assert seen == [trainer.model]

@@ -1,0 +1,523 @@
+"""TRL >= 1.15 fused-LM-head protocol served by lce_patch (lce_patch/integrations/trl.py).
+
+CPU, tiny models built from configs, a word-level tokenizer built offline: no downloads.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import types
+import warnings
+from contextlib import contextmanager
+from unittest import mock
+
+import pytest
+import torch
+
+trl = pytest.importorskip("trl")
+trl_utils = pytest.importorskip("trl.trainer.utils")
+if not hasattr(trl_utils, "add_fused_lm_head"):
+    pytest.skip("TRL without add_fused_lm_head (< 1.15)", allow_module_level=True)
+
+from trl.kernels.chunked_logprob import ChunkedLogProbFunction  # noqa: E402
+
+import lce_patch.ops as lce_ops  # noqa: E402
+from lce_patch.integrations.trl import (  # noqa: E402
+    TRLProtocolError,
+    find_trl_head,
+    maybe_install_trl_head,
+    remove_trl_head,
+)
+from lce_patch.ops.linear_cross_entropy.chunked import LinearCrossEntropyFunction  # noqa: E402
+
+add_fused_lm_head = trl_utils.add_fused_lm_head
+SFT_OUTPUTS = ("log_probs", "entropy", "is_top1")
+VOCAB = 64
+_COMMON = dict(
+    vocab_size=VOCAB,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+    pad_token_id=0,
+    eos_token_id=1,
+    bos_token_id=2,
+)
+
+
+def make_model(kind: str = "llama", seed: int = 0) -> torch.nn.Module:
+    import transformers as tf
+
+    torch.manual_seed(seed)
+    if kind == "llama":
+        return tf.LlamaForCausalLM(tf.LlamaConfig(**_COMMON))
+    if kind == "gemma2":  # a small softcap so that the tanh matters at these logit sizes
+        return tf.Gemma2ForCausalLM(tf.Gemma2Config(**_COMMON, head_dim=8, final_logit_softcapping=0.7))
+    if kind == "cohere":
+        return tf.CohereForCausalLM(tf.CohereConfig(**_COMMON, logit_scale=0.5))
+    if kind == "mixtral":
+        return tf.MixtralForCausalLM(
+            tf.MixtralConfig(
+                **_COMMON,
+                num_local_experts=4,
+                num_experts_per_tok=2,
+                output_router_logits=True,
+                router_aux_loss_coef=0.1,
+            )
+        )
+    raise ValueError(kind)
+
+
+@contextmanager
+def spies():
+    """Count calls of lce_patch's op and of TRL's chunked kernel; record whether autocast was on for ours."""
+    autocast_states = []
+
+    def op(*args, **kwargs):
+        autocast_states.append(torch.is_autocast_enabled(args[0].device.type))
+        return real_op(*args, **kwargs)
+
+    real_op = lce_ops.fused_linear_log_probs
+    with (
+        mock.patch.object(lce_ops, "fused_linear_log_probs", side_effect=op) as ours,
+        mock.patch.object(LinearCrossEntropyFunction, "apply", wraps=LinearCrossEntropyFunction.apply) as ours_fn,
+        mock.patch.object(ChunkedLogProbFunction, "apply", wraps=ChunkedLogProbFunction.apply) as theirs,
+    ):
+        yield types.SimpleNamespace(ours=ours, ours_fn=ours_fn, theirs=theirs, autocast=autocast_states)
+
+
+def trl_and_ours(kind: str, **head_kwargs):
+    trl_model = make_model(kind)
+    add_fused_lm_head(trl_model, **{"outputs": SFT_OUTPUTS, **head_kwargs})
+    our_model = copy.deepcopy(trl_model)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="lce_patch")  # the head config agrees with TRL's
+        assert maybe_install_trl_head(our_model, {}) is True
+    return trl_model, our_model
+
+
+def batch(seed: int = 0, ignore=True):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, VOCAB, (2, 12), generator=g)
+    labels = ids.clone()
+    if ignore:
+        labels[0, :4] = -100  # a prompt
+        labels[1, -3:] = -100  # padding
+    mask = torch.ones_like(ids)
+    mask[1, -3:] = 0
+    return ids, labels, mask
+
+
+def run(model, **kwargs):
+    model.zero_grad(set_to_none=True)
+    out = model(fused_lm_head=True, **kwargs)
+    # an upstream gradient on every differentiable per-token output (not just the mean NLL)
+    w = torch.linspace(0.5, 1.5, out.log_probs.numel()).view_as(out.log_probs)
+    objective = out.loss + (w * out.log_probs).sum() * 0.1
+    if out.entropy is not None:
+        objective = objective + 0.3 * (w.flip(-1) * out.entropy).sum()
+    objective.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return out, grads
+
+
+def assert_same(a, b, ga, gb, atol=1e-5):
+    for name in ("loss", "log_probs", "entropy", "is_top1", "label_mask", "aux_loss"):
+        x, y = getattr(a, name), getattr(b, name)
+        assert (x is None) == (y is None), name
+        if x is None:
+            continue
+        assert x.shape == y.shape and x.dtype == y.dtype, (name, x.shape, y.shape, x.dtype, y.dtype)
+        if x.dtype == torch.bool:
+            assert torch.equal(x, y), name
+        else:
+            torch.testing.assert_close(x, y, atol=atol, rtol=1e-5, msg=name)
+    assert a.log_sum_sq_probs is None and b.mean_logits is None
+    assert ga.keys() == gb.keys() and ga
+    for name in ga:
+        torch.testing.assert_close(ga[name], gb[name], atol=atol, rtol=1e-4, msg=name)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# The protocol, call by call
+
+
+@pytest.mark.parametrize("kind", ["llama", "gemma2", "cohere", "mixtral"])
+@pytest.mark.parametrize("shifted", [False, True], ids=["labels", "shift_labels"])
+def test_forward_matches_trl(kind, shifted):
+    trl_model, our_model = trl_and_ours(kind)
+    ids, labels, mask = batch()
+    kwargs = dict(input_ids=ids, attention_mask=mask, **({"shift_labels": labels} if shifted else {"labels": labels}))
+    with spies() as s:
+        theirs, g_theirs = run(trl_model, **kwargs)
+        assert s.theirs.call_count == 1 and s.ours.call_count == 0
+        ours, g_ours = run(our_model, **kwargs)
+        assert s.theirs.call_count == 1 and s.ours.call_count == 1 and s.ours_fn.call_count == 1
+    assert ours.log_probs.shape == (2, 12 if shifted else 11)
+    ignored = ~ours.label_mask
+    assert ignored.any()
+    assert (ours.log_probs[ignored] == 0).all() and (ours.entropy[ignored] == 0).all()
+    assert not ours.is_top1[ignored].any()
+    assert_same(theirs, ours, g_theirs, g_ours)
+    if kind == "mixtral":
+        assert ours.aux_loss is not None
+
+
+@pytest.mark.parametrize(
+    "head_kwargs",
+    [
+        dict(temperature=0.7),
+        dict(outputs=("log_probs",)),
+        dict(outputs=("log_probs", "is_top1"), temperature=1.3),
+        dict(cast_lm_head_to_fp32=True),
+    ],
+    ids=["temperature", "log_probs_only", "top1_temperature", "cast_fp32"],
+)
+def test_head_options_match_trl(head_kwargs):
+    trl_model, our_model = trl_and_ours("gemma2", **head_kwargs)
+    ids, labels, mask = batch(1)
+    kwargs = dict(input_ids=ids, attention_mask=mask, labels=labels, num_items_in_batch=torch.tensor(37))
+    theirs, g_theirs = run(trl_model, **kwargs)
+    ours, g_ours = run(our_model, **kwargs)
+    assert_same(theirs, ours, g_theirs, g_ours)
+
+
+def test_all_ignored_batch_is_a_differentiable_zero():
+    trl_model, our_model = trl_and_ours("llama")
+    ids, labels, mask = batch()
+    labels = torch.full_like(labels, -100)
+    for model in (trl_model, our_model):
+        out = model(input_ids=ids, labels=labels, fused_lm_head=True)
+        assert out.loss.item() == 0 and not out.label_mask.any()
+        out.loss.backward()  # connected to the graph
+        assert model.lm_head.weight.grad is not None and model.lm_head.weight.grad.abs().sum() == 0
+
+
+def test_unfused_calls_reach_the_original_forward():
+    trl_model, our_model = trl_and_ours("llama")
+    ids, labels, _ = batch()
+    with spies() as s:
+        a = trl_model(input_ids=ids, labels=labels)
+        b = our_model(input_ids=ids, labels=labels)
+        assert s.ours.call_count == 0 and s.theirs.call_count == 0
+    torch.testing.assert_close(a.logits, b.logits)
+    torch.testing.assert_close(a.loss, b.loss)
+    generated = our_model.generate(ids[:1, :4], max_new_tokens=3, do_sample=False)
+    assert generated.shape == (1, 7)
+
+
+def test_install_is_idempotent_and_reversible():
+    model = make_model()
+    add_fused_lm_head(model, outputs=SFT_OUTPUTS)
+    trl_forward = model.forward
+    assert maybe_install_trl_head(model, {}) is True
+    ours = model.forward
+    assert ours.__func__ is not trl_forward.__func__ and find_trl_head(model) is model
+    assert maybe_install_trl_head(model, {}) is True and model.forward == ours
+    assert remove_trl_head(model) is True
+    assert model.forward == trl_forward and model.forward.__func__.__code__.co_name == "_fused_forward"
+    assert remove_trl_head(model) is False
+
+
+def test_no_trl_head_returns_false():
+    model = make_model()
+    assert maybe_install_trl_head(model, {}) is False
+    assert "forward" not in vars(model)
+    assert find_trl_head(model) is None
+
+
+def test_under_accelerate_mixed_precision_wrappers():
+    """Trainer prepares the model (autocast + fp32-output wrappers around TRL's forward) before on_train_begin."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+
+    trl_model, _ = trl_and_ours("llama")
+    AcceleratorState._reset_state(reset_partial_state=True)  # an earlier Trainer test may have set fp32
+    accelerator = Accelerator(cpu=True, mixed_precision="bf16")
+    if not accelerator.native_amp:
+        pytest.skip("accelerate has no CPU autocast here")
+    trl_model = accelerator.prepare_model(trl_model)
+    our_model = copy.deepcopy(trl_model)  # shares the wrapper functions with trl_model: they must not change
+    wrapper = our_model.forward
+    assert maybe_install_trl_head(our_model, {}) is True
+    assert our_model.forward != wrapper and find_trl_head(our_model) is our_model
+    ids, labels, mask = batch()
+    kwargs = dict(input_ids=ids, attention_mask=mask, labels=labels)
+    with spies() as s:
+        theirs, g_theirs = run(trl_model, **kwargs)
+        ours, g_ours = run(our_model, **kwargs)
+        assert s.ours.call_count == 1 and s.theirs.call_count == 1
+        assert s.autocast == [True]  # accelerate's autocast still wraps our forward
+    assert_same(theirs, ours, g_theirs, g_ours, atol=2e-2)
+    assert remove_trl_head(our_model) is True and our_model.forward == wrapper
+    with spies() as s:
+        run(our_model, **kwargs)
+        assert s.theirs.call_count == 1 and s.ours.call_count == 0
+    AcceleratorState._reset_state(reset_partial_state=True)  # leave no bf16 state to later tests
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Protocols this version does not recognise fail loudly
+
+
+def _version_and(what):
+    return rf"TRL {trl.__version__}.*{what}"
+
+
+@pytest.mark.parametrize(
+    "outputs, what",
+    [
+        (("log_probs", "log_sum_sq_probs"), "log_sum_sq_probs"),
+        (("log_probs", "mean_logits"), "mean_logits"),
+        (("log_probs", "log_probs_squared"), "log_probs_squared.*unknown"),
+    ],
+)
+def test_unsupported_or_unknown_outputs_raise(outputs, what):
+    model = make_model()
+    add_fused_lm_head(model, outputs=outputs)
+    with pytest.raises(TRLProtocolError, match=_version_and(what)):
+        maybe_install_trl_head(model, {})
+    assert model.forward.__func__.__code__.co_name == "_fused_forward"  # left as TRL installed it
+
+
+def _rebuild_trl_forward(model, **global_overrides):
+    """TRL's installed forward, rebuilt against a modified copy of its module globals (TRL itself is untouched)."""
+    fn = model.forward.__func__
+    namespace = {**fn.__globals__, **global_overrides}
+    clone = types.FunctionType(fn.__code__, namespace, fn.__name__, fn.__defaults__, fn.__closure__)
+    clone.__kwdefaults__ = fn.__kwdefaults__
+    model.forward = types.MethodType(clone, model)
+
+
+def test_changed_output_class_raises():
+    model = make_model()
+    add_fused_lm_head(model, outputs=SFT_OUTPUTS)
+
+    @dataclasses.dataclass
+    class FusedCausalLMOutput(trl_utils.FusedCausalLMOutput):
+        log_variance: torch.Tensor | None = None
+
+    _rebuild_trl_forward(model, FusedCausalLMOutput=FusedCausalLMOutput)
+    with pytest.raises(TRLProtocolError, match=_version_and("log_variance")):
+        maybe_install_trl_head(model, {})
+
+
+def test_changed_installer_signature_raises():
+    model = make_model()
+    add_fused_lm_head(model, outputs=SFT_OUTPUTS)
+
+    def add_fused_lm_head_v2(model, temperature=1.0, cast_lm_head_to_fp32=False, outputs=(), top_k=None):
+        pass
+
+    _rebuild_trl_forward(model, add_fused_lm_head=add_fused_lm_head_v2)
+    with pytest.raises(TRLProtocolError, match=_version_and("top_k")):
+        maybe_install_trl_head(model, {})
+
+
+def _fake_trl_forward(source: str):
+    namespace = {"__name__": "trl.trainer.utils_future"}
+    exec(source, namespace)  # a forward "defined in TRL" with another protocol
+    return namespace["make"]()
+
+
+def test_changed_forward_signature_raises():
+    fn = _fake_trl_forward(
+        "def make():\n"
+        "    original_forward = text_config = backbone_attr = cast_lm_head_to_fp32 = temperature = outputs = None\n"
+        "    def _fused_forward(self, *args, fused_lm_head=False, labels=None, packed_seq_lens=None, **kwargs):\n"
+        "        return (original_forward, text_config, backbone_attr, cast_lm_head_to_fp32, temperature, outputs)\n"
+        "    return _fused_forward\n"
+    )
+    model = make_model()
+    model.forward = types.MethodType(fn, model)
+    with pytest.raises(TRLProtocolError, match=_version_and("packed_seq_lens")):
+        maybe_install_trl_head(model, {})
+
+
+def test_changed_closure_raises():
+    fn = _fake_trl_forward(
+        "def make():\n"
+        "    original_forward = text_config = backbone_attr = cast_lm_head_to_fp32 = temperature = outputs = None\n"
+        "    vocab_parallel_group = None\n"
+        "    def _fused_forward(self, *args, fused_lm_head=False, labels=None, shift_labels=None,\n"
+        "                       num_items_in_batch=None, **kwargs):\n"
+        "        return (original_forward, text_config, backbone_attr, cast_lm_head_to_fp32, temperature, outputs,\n"
+        "                vocab_parallel_group)\n"
+        "    return _fused_forward\n"
+    )
+    model = make_model()
+    model.forward = types.MethodType(fn, model)
+    with pytest.raises(TRLProtocolError, match=_version_and("vocab_parallel_group")):
+        maybe_install_trl_head(model, {})
+
+
+def test_other_trl_forward_raises():
+    fn = _fake_trl_forward(
+        "def make():\n    def _chunked_lm_head_forward(self, *args, **kwargs):\n        pass\n"
+        "    return _chunked_lm_head_forward\n"
+    )
+    model = make_model()
+    model.forward = types.MethodType(fn, model)
+    with pytest.raises(TRLProtocolError, match=_version_and("_chunked_lm_head_forward")):
+        maybe_install_trl_head(model, {})
+
+
+def test_loss_changing_options_are_refused():
+    model = make_model()
+    add_fused_lm_head(model, outputs=SFT_OUTPUTS)
+    with pytest.raises(ValueError, match="z_loss"):
+        maybe_install_trl_head(model, {"z_loss": 1e-4})
+    assert maybe_install_trl_head(model, {"z_loss": 0.0, "backend": "torch", "chunk_size": 5}) is True
+    ids, labels, _ = batch()
+    with spies() as s:
+        model(input_ids=ids, labels=labels, fused_lm_head=True)
+    assert s.ours.call_args.kwargs["chunk_size"] == 5 and s.ours.call_args.kwargs["backend"] == "torch"
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# SFTTrainer end to end
+
+
+def make_tokenizer():
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<eos>": 1, "<bos>": 2, "<unk>": 3}
+    vocab.update({f"w{i}": i + 4 for i in range(VOCAB - 4)})
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend, pad_token="<pad>", eos_token="<eos>", bos_token="<bos>", unk_token="<unk>"
+    )
+
+
+def make_dataset(n=48):
+    """Pre-tokenized arithmetic progressions (learnable), of varying lengths, so that padding is ignored."""
+    from datasets import Dataset
+
+    g = torch.Generator().manual_seed(0)
+    rows = []
+    for _ in range(n):
+        start, step = torch.randint(0, VOCAB - 4, (2,), generator=g).tolist()
+        length = int(torch.randint(6, 20, (1,), generator=g))
+        rows.append({"input_ids": [4 + (start + i * (step % 5 + 1)) % (VOCAB - 4) for i in range(length)]})
+    return Dataset.from_list(rows)
+
+
+def train_sft(tmp_path, kind="llama", callbacks=(), peft_config=None, **config):
+    from trl import SFTConfig, SFTTrainer
+
+    defaults = dict(
+        output_dir=str(tmp_path),
+        use_cpu=True,
+        report_to=[],
+        max_steps=3,
+        save_strategy="no",
+        bf16=False,
+        logging_steps=1,
+        per_device_train_batch_size=4,
+        optim="sgd",  # Adam would turn fp32 noise in near-zero gradients into lr-sized weight differences
+        learning_rate=0.3,
+        seed=0,
+    )
+    args = SFTConfig(**{**defaults, **config})
+    model = make_model(kind)
+    if peft_config is not None:
+        torch.manual_seed(1)  # LoRA init
+    trainer = SFTTrainer(
+        model=model,
+        args=args,
+        train_dataset=make_dataset(),
+        eval_dataset=make_dataset(8),
+        processing_class=make_tokenizer(),
+        callbacks=list(callbacks),
+        peft_config=peft_config,
+    )
+    with spies() as s:
+        trainer.train()
+        logs = [entry for entry in trainer.state.log_history if "loss" in entry]
+        assert len(logs) == 3
+        logs.append(trainer.evaluate())  # prediction_loss_only: the fused head under no_grad
+    return trainer, logs, s
+
+
+def assert_same_logs(theirs, ours, rtol):
+    for a, b in zip(theirs, ours, strict=True):
+        prefix = "eval_" if "eval_loss" in a else ""
+        for key in ("loss", "entropy", "mean_token_accuracy"):
+            key = prefix + key
+            assert b[key] == pytest.approx(a[key], rel=rtol, abs=rtol), (key, a, b)
+        assert a[prefix + "num_tokens"] == b[prefix + "num_tokens"]
+
+
+def _callback():
+    from lce_patch import FusedLCECallback
+
+    return FusedLCECallback()
+
+
+@pytest.mark.parametrize("kind", ["llama", "gemma2"])
+def test_sft_trainer_callback_matches_trl_head(tmp_path, kind):
+    trl_trainer, theirs, s_theirs = train_sft(tmp_path / "trl", kind)
+    assert s_theirs.theirs.call_count == 3 + 1 and s_theirs.ours.call_count == 0  # 3 steps, 1 eval batch
+    trainer, ours, s_ours = train_sft(tmp_path / "ours", kind, callbacks=[_callback()])
+    # lce_patch's op ran every training step and eval batch; TRL's kernel never did
+    assert s_ours.ours.call_count == 4 and s_ours.ours_fn.call_count == 4 and s_ours.theirs.call_count == 0
+    assert any(entry["mean_token_accuracy"] > 0 for entry in ours) and all(entry["entropy"] > 0 for entry in ours[:3])
+    assert_same_logs(theirs, ours, rtol=1e-4)
+    assert find_trl_head(trainer.model) is trainer.model
+    for (name, a), b in zip(trl_trainer.model.named_parameters(), trainer.model.parameters(), strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4, msg=lambda m, name=name: f"{name}: {m}")
+
+
+def test_sft_trainer_peft_lora(tmp_path):
+    peft = pytest.importorskip("peft")
+    lora = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+    _, theirs, _ = train_sft(tmp_path / "trl", peft_config=peft.LoraConfig(**lora))
+    trainer, ours, s_ours = train_sft(tmp_path / "ours", callbacks=[_callback()], peft_config=peft.LoraConfig(**lora))
+    assert isinstance(trainer.model, peft.PeftModel)
+    assert find_trl_head(trainer.model) is trainer.model.get_base_model()
+    assert s_ours.ours.call_count == 4 and s_ours.theirs.call_count == 0
+    assert_same_logs(theirs, ours, rtol=1e-4)
+
+
+def test_sft_trainer_bf16_mixed_precision(tmp_path):
+    """bf16 on CPU: accelerate wraps TRL's forward in autocast before on_train_begin; ours goes under the wrappers."""
+    _, theirs, _ = train_sft(tmp_path / "trl", bf16=True)
+    _, ours, s_ours = train_sft(tmp_path / "ours", callbacks=[_callback()], bf16=True)
+    assert s_ours.ours.call_count == 4 and s_ours.theirs.call_count == 0
+    assert s_ours.autocast == [True] * 4
+    assert_same_logs(theirs, ours, rtol=2e-2)
+
+
+def test_sft_trainer_unrecognised_protocol_fails_loudly(tmp_path):
+    from trl import SFTConfig, SFTTrainer
+
+    args = SFTConfig(output_dir=str(tmp_path), use_cpu=True, report_to=[], max_steps=1, save_strategy="no", bf16=False)
+    trainer = SFTTrainer(
+        model=make_model(),
+        args=args,
+        train_dataset=make_dataset(8),
+        processing_class=make_tokenizer(),
+        callbacks=[_callback()],
+    )
+    # e.g. a trainer asking for WPO's log(sum p^2), which lce_patch does not compute
+    add_fused_lm_head(trainer.model, outputs=("log_probs", "log_sum_sq_probs"))
+    with pytest.raises(TRLProtocolError, match=_version_and("log_sum_sq_probs")):
+        trainer.train()
+
+
+def test_sft_trainer_callback_added_after_init(tmp_path):
+    from trl import SFTConfig, SFTTrainer
+
+    args = SFTConfig(output_dir=str(tmp_path), use_cpu=True, report_to=[], max_steps=1, save_strategy="no", bf16=False)
+    trainer = SFTTrainer(
+        model=make_model(), args=args, train_dataset=make_dataset(8), processing_class=make_tokenizer()
+    )
+    trainer.add_callback(_callback())
+    with spies() as s:
+        trainer.train()
+    assert s.ours.call_count == 1 and s.theirs.call_count == 0

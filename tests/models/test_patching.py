@@ -1,0 +1,349 @@
+"""apply_fused_lce on every registered architecture: loss and gradients equal the unpatched model's."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+
+import lce_patch
+from lce_patch.models import get_head_config, is_patched
+
+from .tiny import VOCAB, assert_close, assert_grads_match, pair, tiny_model
+
+ARCHS = lce_patch.supported_architectures()
+CASES = ["ignored_labels", "num_items_in_batch", "shift_labels", "packed"]
+
+
+def _batch(case: str, generator: torch.Generator) -> dict:
+    if case == "packed":  # two documents in one row, as TRL's padding-free collator builds it
+        input_ids = torch.randint(0, VOCAB, (1, 14), generator=generator)
+        position_ids = torch.cat([torch.arange(6), torch.arange(8)]).unsqueeze(0)
+        labels = input_ids.clone()
+        labels[position_ids == 0] = -100
+        return dict(input_ids=input_ids, position_ids=position_ids, labels=labels)
+    input_ids = torch.randint(0, VOCAB, (2, 12), generator=generator)
+    attention_mask = torch.ones_like(input_ids)
+    attention_mask[1, -3:] = 0  # right padding
+    labels = input_ids.masked_fill(attention_mask == 0, -100)
+    labels[0, :4] = -100  # a prompt
+    batch = dict(input_ids=input_ids, attention_mask=attention_mask, labels=labels)
+    if case == "num_items_in_batch":  # as Trainer passes it under gradient accumulation: a larger window's count
+        batch["num_items_in_batch"] = torch.tensor(41)
+    if case == "shift_labels":  # as context parallelism passes them: already shifted, used as given
+        shift_labels = torch.full_like(labels, -100)
+        shift_labels[:, :-1] = labels[:, 1:]
+        shift_labels[0, 6] = -100
+        batch["shift_labels"] = shift_labels
+    return batch
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("model_type", ARCHS)
+def test_training_loss_and_gradients_match(model_type, case):
+    model, reference = pair(model_type)
+    lce_patch.apply_fused_lce(model, backend="torch")
+    batch = _batch(case, torch.Generator().manual_seed(1))
+    model.train()
+    reference.train()
+    out = model(**batch)
+    ref = reference(**batch)
+    assert out.logits is None
+    assert out.loss.requires_grad
+    assert_close(out.loss, ref.loss, what="loss")
+    if getattr(ref, "aux_loss", None) is not None:
+        assert_close(out.aux_loss, ref.aux_loss, what="aux_loss")
+    out.loss.backward()
+    ref.loss.backward()
+    assert_grads_match(model, reference)
+
+
+@pytest.mark.parametrize("model_type", ARCHS)
+def test_inference_generate_and_eval(model_type):
+    model, reference = pair(model_type)
+    lce_patch.apply_fused_lce(model)
+    model.eval()
+    reference.eval()
+    batch = _batch("ignored_labels", torch.Generator().manual_seed(2))
+    inputs = {k: batch[k] for k in ("input_ids", "attention_mask")}
+    with torch.no_grad():
+        # no labels: the original forward, logits identical; logits_to_keep honoured
+        assert torch.equal(model(**inputs).logits, reference(**inputs).logits)
+        assert torch.equal(model(**inputs, logits_to_keep=1).logits, reference(**inputs, logits_to_keep=1).logits)
+        # evaluation with labels: the fused loss, no logits unless asked for
+        out, ref = model(**batch), reference(**batch)
+        assert out.logits is None
+        assert_close(out.loss, ref.loss, what="eval loss")
+        lce_patch.apply_fused_lce(model, return_logits_in_eval=True)
+        out = model(**batch)
+        assert_close(out.loss, ref.loss, what="eval loss")
+        assert_close(out.logits, ref.logits, rel=1e-6, what="eval logits")
+        prompt = batch["input_ids"][:, :5]
+        kwargs = dict(max_new_tokens=4, do_sample=False, pad_token_id=0)
+        if getattr(model.config, "output_router_logits", False):
+            # transformers 5.17's own MoE forward fails computing the aux loss while decoding
+            kwargs["output_router_logits"] = False
+        assert torch.equal(model.generate(prompt, **kwargs), reference.generate(prompt, **kwargs))
+    assert "logits_to_keep" in inspect.signature(model.forward).parameters
+    assert inspect.signature(model.forward) == inspect.signature(reference.forward)
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen3_moe"])
+def test_revert_restores_the_original_forward(model_type):
+    model, reference = pair(model_type)
+    cls_forward = type(model).__dict__["forward"]
+    lce_patch.apply_fused_lce(model)
+    lce_patch.apply_fused_lce(model, z_loss=1e-4)  # patching twice is harmless: it only replaces the options
+    assert model._lce_patch_options.z_loss == 1e-4
+    assert is_patched(model)
+    lce_patch.revert_fused_lce(model)
+    lce_patch.revert_fused_lce(model)  # and reverting twice too
+    assert not is_patched(model)
+    assert "forward" not in vars(model) and not hasattr(model, "_lce_patch_options")
+    assert model.forward.__func__ is cls_forward
+    batch = _batch("ignored_labels", torch.Generator().manual_seed(3))
+    model.train()
+    reference.train()
+    out, ref = model(**batch), reference(**batch)
+    assert torch.equal(out.logits, ref.logits) and torch.equal(out.loss, ref.loss)
+
+
+def test_patching_one_instance_leaves_another_alone():
+    model, other = pair("llama")
+    lce_patch.apply_fused_lce(model)
+    batch = _batch("ignored_labels", torch.Generator().manual_seed(4))
+    other.train()
+    assert other(**batch).logits is not None
+    assert "forward" not in vars(other) and not is_patched(other)
+    assert type(model).forward is type(other).forward  # the class is untouched
+
+
+def test_class_patch_by_model_type():
+    from transformers import LlamaForCausalLM
+
+    original = LlamaForCausalLM.__dict__["forward"]
+    reference = tiny_model("llama")
+    try:
+        assert lce_patch.apply_fused_lce("llama", backend="torch") is LlamaForCausalLM
+        lce_patch.apply_fused_lce("llama", backend="torch")  # twice: harmless
+        assert is_patched("llama")
+        model = tiny_model("llama")  # built after patching: uses the fused loss
+        assert "forward" not in vars(model)
+        batch = _batch("ignored_labels", torch.Generator().manual_seed(5))
+        model.train()
+        out = model(**batch)
+        assert out.logits is None
+        lce_patch.revert_fused_lce(reference)  # no-op on an unpatched instance
+        reference.train()
+        lce_patch.revert_fused_lce("llama")
+        ref = reference(**batch)
+        assert_close(out.loss, ref.loss)
+        # an instance patch on top of a class patch, then reverted, leaves the class patch in place
+        lce_patch.apply_fused_lce("llama")
+        lce_patch.apply_fused_lce(model, z_loss=0.5)
+        lce_patch.revert_fused_lce(model)
+        assert model(**batch).logits is None
+    finally:
+        lce_patch.revert_fused_lce("llama")
+    assert LlamaForCausalLM.__dict__["forward"] is original
+    assert not hasattr(LlamaForCausalLM, "_lce_patch_options")
+
+
+def test_return_dict_false_and_positional_args():
+    model, reference = pair("llama")
+    lce_patch.apply_fused_lce(model)
+    batch = _batch("ignored_labels", torch.Generator().manual_seed(6))
+    model.train()
+    reference.train()
+    out = model(batch["input_ids"], batch["attention_mask"], labels=batch["labels"], return_dict=False)
+    ref = reference(batch["input_ids"], batch["attention_mask"], labels=batch["labels"], return_dict=False)
+    assert isinstance(out, tuple)
+    assert_close(out[0], ref[0])
+    out = model(**batch, return_dict=None)  # PEFT passes return_dict=None explicitly
+    assert out.loss is not None and out.logits is None
+
+
+def test_empty_micro_batch_gives_a_differentiable_zero():
+    model = tiny_model("llama")
+    lce_patch.apply_fused_lce(model)
+    batch = _batch("ignored_labels", torch.Generator().manual_seed(7))
+    batch["labels"] = torch.full_like(batch["labels"], -100)
+    model.train()
+    for extra in ({}, {"num_items_in_batch": 5}):
+        model.zero_grad()
+        loss = model(**batch, **extra).loss
+        assert loss.item() == 0.0 and loss.requires_grad
+        loss.backward()
+        assert all(not p.grad.any() for p in model.parameters() if p.grad is not None)
+
+
+def test_ignore_index_option_and_kwarg():
+    model, reference = pair("qwen2")
+    batch = _batch("ignored_labels", torch.Generator().manual_seed(8))
+    batch["labels"] = batch["labels"].masked_fill(batch["labels"] == -100, -1)
+    model.train()
+    reference.train()
+    ref = reference(**batch, ignore_index=-1)
+    lce_patch.apply_fused_lce(model, ignore_index=-1)
+    assert_close(model(**batch).loss, ref.loss)
+    lce_patch.apply_fused_lce(model)  # default -100, the kwarg wins as in Hugging Face's loss
+    assert_close(model(**batch, ignore_index=-1).loss, ref.loss)
+
+
+def test_loss_options_reach_the_op():
+    model, reference = pair("llama")
+    batch = _batch("ignored_labels", torch.Generator().manual_seed(9))
+    model.train()
+    reference.train()
+    ref = reference(**batch)
+    lce_patch.apply_fused_lce(model, label_smoothing=0.1)
+    smoothed = model(**batch).loss
+    logits = ref.logits[:, :-1].reshape(-1, VOCAB)
+    targets = batch["labels"][:, 1:].reshape(-1)
+    expected = torch.nn.functional.cross_entropy(logits, targets, label_smoothing=0.1)
+    assert_close(smoothed, expected)
+    lce_patch.apply_fused_lce(model, label_smoothing=0.0, z_loss=1e-3)
+    lse = torch.logsumexp(logits[targets != -100], dim=-1)
+    expected = torch.nn.functional.cross_entropy(logits, targets) + 1e-3 * (lse**2).mean()
+    assert_close(model(**batch).loss, expected)
+
+
+def test_other_kwargs_reach_the_decoder():
+    model = tiny_model("llama")
+    lce_patch.apply_fused_lce(model)
+    seen = {}
+    model.model.register_forward_pre_hook(lambda mod, args, kwargs: seen.update(kwargs), with_kwargs=True)
+    batch = _batch("packed", torch.Generator().manual_seed(10))
+    cu = torch.tensor([0, 6, 14], dtype=torch.int32)
+    model.train()
+    model(**batch, cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=8, max_length_k=8, output_hidden_states=True)
+    assert seen["cu_seq_lens_q"] is cu and seen["max_length_k"] == 8 and seen["output_hidden_states"]
+    assert seen["position_ids"] is batch["position_ids"]
+    assert "skip_logits" not in seen
+
+
+def test_tied_embeddings_receive_the_gradient_once():
+    model, reference = pair("llama", tie_word_embeddings=True)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    lce_patch.apply_fused_lce(model)
+    batch = _batch("ignored_labels", torch.Generator().manual_seed(11))
+    model.train()
+    reference.train()
+    model(**batch).loss.backward()
+    reference(**batch).loss.backward()
+    assert_grads_match(model, reference)
+
+
+def test_head_weight_is_read_inside_the_head_module_call():
+    model = tiny_model("gemma2")
+    lce_patch.apply_fused_lce(model)
+    calls = []
+    model.lm_head.register_forward_pre_hook(lambda mod, args: calls.append(args[0].shape))
+    model.train()
+    model(**_batch("ignored_labels", torch.Generator().manual_seed(12)))
+    assert calls == [torch.Size([2, 12, 32])]  # the hidden states went through lm_head(...) (where FSDP hooks fire)
+    assert "forward" not in vars(model.lm_head)  # the redirection is undone
+
+
+def test_head_call_redirects_one_call():
+    from lce_patch.models import head_call
+
+    head = torch.nn.Linear(4, 3)
+    hidden = torch.randn(2, 4)
+    seen = []
+    head.register_forward_hook(lambda mod, args, out: seen.append(out))
+    out = head_call(head, lambda w, b, h, k: (h @ w.t() + b) * k, hidden, 2.0)
+    assert torch.allclose(out, head(hidden) * 2.0)
+    assert seen[0] is out and "forward" not in vars(head)
+
+
+def test_softcap_and_logit_scale_come_from_the_registry():
+    assert get_head_config(tiny_model("gemma2")).softcap == 2.0
+    assert get_head_config(tiny_model("gemma3_text")).softcap == 2.0
+    assert get_head_config(tiny_model("gemma3")).softcap is None  # HF's Gemma3ForConditionalGeneration: no softcap
+    assert get_head_config(tiny_model("cohere")).logit_scale == 0.25
+    assert get_head_config(tiny_model("granite")).logit_scale == 0.25  # 1 / logits_scaling
+    head = get_head_config(tiny_model("llama"))
+    assert head.softcap is None and head.logit_scale == 1.0
+    # the tiny models' logits exceed the cap, so a missing softcap would change the loss
+    model = tiny_model("gemma2")
+    with torch.no_grad():
+        hidden = model.model(input_ids=torch.arange(10).unsqueeze(0)).last_hidden_state
+    assert model.lm_head(hidden).abs().max() > 4.0
+
+
+@pytest.mark.parametrize("model_type", ["mixtral", "qwen3_moe"])
+def test_moe_aux_loss_is_added_as_hugging_face_does(model_type):
+    model, reference = pair(model_type)
+    lce_patch.apply_fused_lce(model)
+    batch = _batch("ignored_labels", torch.Generator().manual_seed(13))
+    model.train()
+    reference.train()
+    out = model(**batch)
+    ref = reference(**batch, output_router_logits=False)
+    assert out.aux_loss is not None and out.router_logits is not None
+    assert_close(out.loss - model.router_aux_loss_coef * out.aux_loss, ref.loss, what="CE part")
+    out = model(**batch, output_router_logits=False)
+    assert out.aux_loss is None
+    assert_close(out.loss, ref.loss)
+
+
+def test_errors_are_clear():
+    with pytest.raises(ValueError, match="not a supported architecture.*llama"):
+        lce_patch.apply_fused_lce("no_such_model")
+    with pytest.raises(TypeError, match="unknown option"):
+        lce_patch.apply_fused_lce(tiny_model("llama"), chunksize=4)
+    with pytest.raises(ValueError, match="backend"):
+        lce_patch.apply_fused_lce(tiny_model("llama"), backend="cuda")
+    with pytest.raises(TypeError, match="Hugging Face model"):
+        lce_patch.apply_fused_lce(torch.nn.Linear(2, 2))
+
+
+def test_triton_backend_through_a_patched_model():
+    from lce_patch.ops.linear_cross_entropy.rows import triton_usable
+
+    if not triton_usable(torch.device("cpu")) and not torch.cuda.is_available():
+        pytest.skip("triton (or its CPU interpreter) is not available")
+    model, reference = pair("gemma2")  # softcap and tied embeddings through the kernels
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model.to(device)
+    reference.to(device)
+    lce_patch.apply_fused_lce(model, backend="triton", chunk_size=8)
+    batch = {k: v.to(device) for k, v in _batch("ignored_labels", torch.Generator().manual_seed(14)).items()}
+    model.train()
+    reference.train()
+    out, ref = model(**batch), reference(**batch)
+    assert_close(out.loss, ref.loss)
+    out.loss.backward()
+    ref.loss.backward()
+    assert_grads_match(model, reference)
+
+
+def test_deepcopy_of_a_patched_model_is_patched_and_independent():
+    import copy
+
+    model = tiny_model("llama")
+    lce_patch.apply_fused_lce(model)
+    clone = copy.deepcopy(model)  # as TRL builds reference models
+    assert clone.forward.__self__ is clone
+    lce_patch.revert_fused_lce(model)
+    batch = _batch("ignored_labels", torch.Generator().manual_seed(15))
+    clone.train()
+    model.train()
+    assert clone(**batch).logits is None
+    assert model(**batch).logits is not None
+
+
+def test_gradient_checkpointing():
+    model, reference = pair("qwen3")
+    for m in (model, reference):
+        m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        m.train()
+    lce_patch.apply_fused_lce(model)
+    batch = _batch("ignored_labels", torch.Generator().manual_seed(16))
+    out, ref = model(**batch), reference(**batch)
+    assert_close(out.loss, ref.loss)
+    out.loss.backward()
+    ref.loss.backward()
+    assert_grads_match(model, reference)

@@ -1,0 +1,89 @@
+"""Tiny random models of every registered architecture (no downloads), and comparison helpers."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+VOCAB = 128
+_COMMON = dict(
+    vocab_size=VOCAB,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+)
+_MOE = dict(output_router_logits=True, router_aux_loss_coef=0.1, num_experts_per_tok=2)
+
+# model_type -> config kwargs. Softcaps and logit scales are far from 1 so that getting them wrong shows.
+TINY_CONFIGS: dict[str, dict] = {
+    "llama": {},
+    "mistral": dict(sliding_window=None),
+    "mixtral": dict(num_local_experts=4, **_MOE),
+    "gemma": dict(head_dim=8),
+    "gemma2": dict(head_dim=8, final_logit_softcapping=2.0, sliding_window=8),
+    "gemma3_text": dict(head_dim=8, final_logit_softcapping=2.0, sliding_window=8),
+    "qwen2": {},
+    "qwen2_moe": dict(num_experts=4, moe_intermediate_size=16, shared_expert_intermediate_size=32, **_MOE),
+    "qwen3": dict(head_dim=8),
+    "qwen3_moe": dict(head_dim=8, num_experts=4, moe_intermediate_size=16, **_MOE),
+    "cohere": dict(logit_scale=0.25),
+    "granite": dict(logits_scaling=4.0),
+}
+
+
+def tiny_config(model_type: str, **overrides):
+    if model_type == "gemma3":
+        text = dict(_COMMON, **TINY_CONFIGS["gemma3_text"])
+        text["final_logit_softcapping"] = 2.0  # set, yet Gemma3ForConditionalGeneration applies none
+        vision = dict(
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            image_size=16,
+            patch_size=4,
+        )
+        return AutoConfig.for_model(
+            "gemma3", text_config=text, vision_config=vision, mm_tokens_per_image=4, **overrides
+        )
+    return AutoConfig.for_model(model_type, **dict(_COMMON, **TINY_CONFIGS[model_type], **overrides))
+
+
+def tiny_model(model_type: str, seed: int = 0, **overrides) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_config(model_type, **overrides), attn_implementation="eager").float()
+    with torch.no_grad():  # logits of a few units, so that softcaps and logit scales matter
+        model.get_output_embeddings().weight.normal_(std=0.5)
+    return model
+
+
+def pair(model_type: str, **overrides):
+    """(model, unpatched deep copy)."""
+    model = tiny_model(model_type, **overrides)
+    return model, copy.deepcopy(model)
+
+
+def assert_close(actual, expected, rel=1e-5, what=""):
+    actual, expected = actual.detach().double(), expected.detach().double()
+    scale = expected.abs().max().item()
+    err = (actual - expected).abs().max().item()
+    assert err <= rel * scale + 1e-9, f"{what}: max abs err {err:.3g} vs scale {scale:.3g}"
+
+
+def assert_grads_match(model, reference, rel=1e-5):
+    params = dict(reference.named_parameters())
+    checked = 0
+    for name, param in model.named_parameters():
+        ref = params[name]
+        if ref.grad is None:
+            assert param.grad is None or not param.grad.any(), f"{name}: gradient where the reference has none"
+            continue
+        assert param.grad is not None, f"{name}: no gradient"
+        assert_close(param.grad, ref.grad, rel, name)
+        checked += 1
+    assert checked > 0
