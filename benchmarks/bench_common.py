@@ -1,0 +1,271 @@
+"""Shared helpers for ``bench_lce.py`` and ``gpu_check.py``: inputs, the fp32 reference, errors, versions.
+
+Nothing here touches CUDA at import time; every function takes the device from its arguments.
+
+Inputs (``make_inputs``): hidden ~ N(0, 1), weight ~ N(0, logit_std^2 / D) so that the raw logits have a
+spread of about ``logit_std``; every ``ignore_every``-th label is ``ignore_index``.
+  * ``flat``: as drawn (loss about ln V + logit_std^2 / 2, e.g. 12.3 nats for V = 128256).
+  * ``peaked``: each valid token's hidden state gets ``beta * W[label] / |W[label]|^2`` added, which raises
+    its target logit by exactly ``beta``; ``beta`` is found by bisection on a subsample (softcap included) so
+    that the mean loss is about ``target_loss`` (1.5 nats), like fine-tuning a pretrained model.
+
+Reference (``reference``): the same bf16/fp16/fp32 inputs upcast to ``ref_dtype`` (fp32 by default, TF32 off),
+token chunks through torch autograd, so it never holds more than a bounded [chunk, V] block.
+"""
+
+from __future__ import annotations
+
+import datetime
+import gc
+import importlib.metadata
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))  # lce_patch from this checkout, not an installed copy
+
+IGNORE = -100
+
+
+def set_exact_fp32() -> None:
+    """fp32 matmuls in full fp32 (no TF32), so the reference is a reference."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    torch.set_float32_matmul_precision("highest")
+
+
+def free() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def env_info() -> dict:
+    """Device, library and peer versions, date: recorded with every result."""
+    import triton
+
+    import lce_patch
+
+    try:
+        rev = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True, timeout=10
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout.strip()
+        rev = (rev + ("+dirty" if dirty else "")) or None
+    except (OSError, subprocess.SubprocessError):
+        rev = None
+    cuda = torch.cuda.is_available()
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "device": torch.cuda.get_device_name() if cuda else "cpu",
+        "sm_count": torch.cuda.get_device_properties(0).multi_processor_count if cuda else None,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "triton": triton.__version__,
+        "lce_patch": lce_patch.__version__,
+        "git": rev,
+        "liger_kernel": _version("liger-kernel"),
+        "cut_cross_entropy": _version("cut-cross-entropy"),
+        "trl": _version("trl"),
+        "transformers": _version("transformers"),
+    }
+
+
+def shift_labels(labels: torch.Tensor, ignore_index: int = IGNORE) -> torch.Tensor:
+    """Hugging Face causal-LM shift: position t is scored against labels[..., t + 1]; the last is ignored."""
+    out = torch.full_like(labels, ignore_index)
+    out[..., :-1] = labels[..., 1:]
+    return out
+
+
+def _mean_loss(z: torch.Tensor, labels: torch.Tensor, softcap: float | None) -> float:
+    if softcap is not None:
+        z = softcap * torch.tanh(z / softcap)
+    return F.cross_entropy(z, labels).item()
+
+
+def make_inputs(
+    n: int,
+    d: int,
+    v: int,
+    *,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    data: str = "flat",
+    softcap: float | None = None,
+    seed: int = 0,
+    logit_std: float = 1.0,
+    target_loss: float = 1.5,
+    ignore_every: int = 7,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(hidden [n, d], weight [v, d], labels [n] int64), leaves without requires_grad. See the module doc."""
+    if data not in ("flat", "peaked"):
+        raise ValueError(f"data must be 'flat' or 'peaked', got {data!r}")
+    gen = torch.Generator(device=device).manual_seed(seed)
+    hidden = torch.randn(n, d, device=device, generator=gen)
+    weight = (torch.randn(v, d, device=device, generator=gen) * (logit_std / d**0.5)).to(dtype)
+    labels = torch.randint(0, v, (n,), device=device, generator=gen)
+    if ignore_every:
+        labels[::ignore_every] = IGNORE
+    if data == "peaked" and n > 0:
+        valid = labels != IGNORE
+        w_t = weight.float()[labels.clamp(min=0)]  # [n, d]
+        direction = w_t / w_t.square().sum(-1, keepdim=True)  # raises the target logit by 1 per unit
+        sub = valid.nonzero().squeeze(-1)[:256]
+        w32 = weight.float()
+        z0 = hidden[sub] @ w32.t()  # [s, v]
+        u = direction[sub] @ w32.t()  # change of every logit per unit of beta
+        lo, hi = 0.0, 4.0 * (torch.log(torch.tensor(float(v))).item() + logit_std**2)
+        for _ in range(40):  # loss falls as beta grows
+            mid = 0.5 * (lo + hi)
+            lo, hi = (mid, hi) if _mean_loss(z0 + mid * u, labels[sub], softcap) > target_loss else (lo, mid)
+        del z0, u
+        hidden = torch.where(valid[:, None], hidden + (0.5 * (lo + hi)) * direction, hidden)
+    return hidden.to(dtype), weight, labels
+
+
+def reference(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+    ignore_index: int = IGNORE,
+    softcap: float | None = None,
+    logit_scale: float = 1.0,
+    label_smoothing: float = 0.0,
+    z_loss: float = 0.0,
+    token_grad: torch.Tensor | None = None,
+    grads: tuple[bool, bool, bool] = (True, True, False),
+    ref_dtype: torch.dtype = torch.float32,
+    chunk_bytes: int = 512 * 2**20,
+):
+    """Per-token loss [N] and the gradients of sum(token_grad * loss) w.r.t. (hidden, weight, bias).
+
+    ``hidden`` [N, D] and ``labels`` [N] are already flattened (and shifted). ``token_grad`` defaults to
+    the "mean" reduction's 1 / n_valid on valid tokens. Returns (loss_tok, dh, dW, db); a gradient not
+    asked for in ``grads`` is None. Everything in ``ref_dtype``.
+    """
+    n, v = hidden.shape[0], weight.shape[0]
+    valid = labels != ignore_index
+    if token_grad is None:
+        token_grad = valid.to(ref_dtype) / valid.sum().clamp(min=1)
+    token_grad = token_grad.to(ref_dtype)
+    w = weight.detach().to(ref_dtype).requires_grad_(grads[1])
+    b = None if bias is None else bias.detach().to(ref_dtype).requires_grad_(grads[2])
+    loss_tok = torch.zeros(n, dtype=ref_dtype, device=hidden.device)
+    dh = torch.zeros(hidden.shape, dtype=ref_dtype, device=hidden.device) if grads[0] else None
+    rows = max(1, chunk_bytes // (v * torch.finfo(ref_dtype).bits // 8))
+    for start in range(0, n, rows):
+        stop = min(start + rows, n)
+        h = hidden[start:stop].detach().to(ref_dtype).requires_grad_(grads[0])
+        y = labels[start:stop]
+        with torch.enable_grad():
+            z = h @ w.t() if b is None else torch.addmm(b, h, w.t())
+            if logit_scale != 1.0:
+                z = z * logit_scale
+            if softcap is not None:
+                z = softcap * torch.tanh(z / softcap)
+            lt = F.cross_entropy(z, y, ignore_index=ignore_index, reduction="none", label_smoothing=label_smoothing)
+            if z_loss:
+                lt = lt + z_loss * torch.logsumexp(z, dim=-1).square() * valid[start:stop]
+            if any(grads):
+                (lt * token_grad[start:stop]).sum().backward()
+        loss_tok[start:stop] = lt.detach()
+        if dh is not None:
+            dh[start:stop] = h.grad
+        del z, lt, h
+    return (
+        loss_tok,
+        dh,
+        w.grad if grads[1] else None,
+        b.grad if b is not None and grads[2] else None,
+    )
+
+
+def unfused_loss(
+    hidden,
+    weight,
+    labels,
+    *,
+    bias=None,
+    ignore_index=IGNORE,
+    softcap=None,
+    logit_scale=1.0,
+    shift=False,
+    reduction="mean",
+    num_items_in_batch=None,
+    label_smoothing=0.0,
+    z_loss=0.0,
+    hf_order=True,
+):
+    """The unfused PyTorch path with every option of the op.
+
+    ``hf_order``: scale and softcap in the logits' dtype before the fp32 upcast, as Hugging Face's Gemma-2
+    does; otherwise upcast right after the matmul (slightly more accurate).
+    """
+    if shift:
+        labels = shift_labels(labels, ignore_index)
+    out_shape = labels.shape
+    y = labels.reshape(-1)
+    z = F.linear(hidden.reshape(-1, hidden.shape[-1]), weight, bias)
+    if not hf_order:
+        z = z.float()
+    if logit_scale != 1.0:
+        z = z * logit_scale
+    if softcap is not None:
+        z = torch.tanh(z / softcap) * softcap
+    z = z.float()
+    valid = y != ignore_index
+    lt = F.cross_entropy(z, y, ignore_index=ignore_index, reduction="none", label_smoothing=label_smoothing)
+    if z_loss:
+        lt = lt + z_loss * torch.logsumexp(z, dim=-1).square() * valid
+    if num_items_in_batch is not None:
+        return lt.sum() / num_items_in_batch
+    if reduction == "sum":
+        return lt.sum()
+    if reduction == "none":
+        return lt.view(out_shape)
+    return lt.sum() / valid.sum().clamp(min=1)
+
+
+def rel_l2(x: torch.Tensor | None, ref: torch.Tensor | None, chunk_rows: int = 8192) -> float | None:
+    """||x - ref|| / ||ref|| in float64, chunked over rows (no full-size fp32 copy). NaN in x gives NaN."""
+    if x is None or ref is None:
+        return None
+    x2 = x.reshape(-1, x.shape[-1]) if x.dim() > 1 else x.reshape(-1, 1)
+    r2 = ref.reshape(-1, ref.shape[-1]) if ref.dim() > 1 else ref.reshape(-1, 1)
+    if x2.shape != r2.shape:
+        raise ValueError(f"shape mismatch {tuple(x.shape)} vs {tuple(ref.shape)}")
+    num = torch.zeros((), dtype=torch.float64, device=ref.device)
+    den = torch.zeros((), dtype=torch.float64, device=ref.device)
+    for start in range(0, x2.shape[0], chunk_rows):
+        r = r2[start : start + chunk_rows].double()
+        num += (x2[start : start + chunk_rows].double() - r).square().sum()
+        den += r.square().sum()
+    return (num.sqrt() / den.sqrt().clamp(min=1e-300)).item()
+
+
+def rel_err(x: float, ref: float) -> float:
+    return abs(x - ref) / max(abs(ref), 1e-30)
