@@ -36,8 +36,10 @@ MIN_DEFAULT_CHUNK_ROWS = 1024
 # in 69 chunks gave a dW error of 1.2e-2 vs 2.1e-3 in one chunk), so the default chunk grows with
 # N instead: at most 16 bf16 roundings, at the cost of N*V*2/16 bytes of logits buffer.
 MAX_BF16_DW_CHUNKS = 16
-# The torch row op keeps about four fp32 [C, V] temporaries beside the buffer.
+# The torch row op keeps about four fp32 [C, V] temporaries beside the buffer; on the CPU a
+# smaller budget keeps the fused path leaner than the unfused one even for small models.
 _TORCH_TEMPORARIES_PER_LOGIT = 16
+TORCH_LOGITS_BUDGET_BYTES = 32 * 1024 * 1024
 
 
 def default_chunk_rows(num_rows: int, vocab_size: int, dtype: torch.dtype, use_triton: bool) -> int:
@@ -45,7 +47,8 @@ def default_chunk_rows(num_rows: int, vocab_size: int, dtype: torch.dtype, use_t
     enough chunks that a bf16 dW is rounded at most ``MAX_BF16_DW_CHUNKS`` times."""
     element_size = torch.finfo(dtype).bits // 8
     bytes_per_row = vocab_size * (element_size if use_triton else element_size + _TORCH_TEMPORARIES_PER_LOGIT)
-    rows = DEFAULT_LOGITS_BUDGET_BYTES // max(bytes_per_row, 1)
+    budget = DEFAULT_LOGITS_BUDGET_BYTES if use_triton else TORCH_LOGITS_BUDGET_BYTES
+    rows = budget // max(bytes_per_row, 1)
     if rows >= 256:
         rows = rows // 128 * 128  # GEMM-friendly multiples
     if use_triton:

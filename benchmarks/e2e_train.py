@@ -1,0 +1,184 @@
+"""End-to-end training steps at a real size: unpatched vs lce_patch, under transformers.Trainer and
+TRL's SFTTrainer (its own fused head vs lce_patch's op serving it).
+
+Models are built from configs (random weights, no download): Llama-3.2-1B's (hidden 2048, vocab
+128256) and Gemma-2-2B's (final-logit softcap 30). One process; for each setup it runs a few
+optimizer steps of batch 1 x ``--seq-len`` tokens in bf16 and reports peak GPU memory and
+tokens/s over the steps after the first.
+
+    python benchmarks/e2e_train.py --seq-len 4096 --steps 6
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import time
+
+
+def build_model(name: str):
+    import torch
+    from transformers import AutoModelForCausalLM, Gemma2Config, LlamaConfig
+
+    if name == "llama-3.2-1b":
+        config = LlamaConfig(
+            hidden_size=2048,
+            intermediate_size=8192,
+            num_hidden_layers=16,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            vocab_size=128256,
+            max_position_embeddings=8192,
+            tie_word_embeddings=True,
+            rope_theta=500000.0,
+        )
+    else:
+        config = Gemma2Config(
+            hidden_size=2304,
+            intermediate_size=9216,
+            num_hidden_layers=26,
+            num_attention_heads=8,
+            num_key_value_heads=4,
+            head_dim=256,
+            vocab_size=256000,
+            max_position_embeddings=8192,
+            final_logit_softcapping=30.0,
+            attn_logit_softcapping=50.0,
+            query_pre_attn_scalar=256,
+        )
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).cuda()
+
+
+class _Timer:
+    def __init__(self):
+        from transformers import TrainerCallback
+
+        outer = self
+
+        class Callback(TrainerCallback):
+            def on_step_begin(self, args, state, control, **kwargs):
+                import torch
+
+                torch.cuda.synchronize()
+                if state.global_step == 1:
+                    outer.start = time.perf_counter()
+
+            def on_train_end(self, args, state, control, **kwargs):
+                import torch
+
+                torch.cuda.synchronize()
+                outer.stop = time.perf_counter()
+
+        self.callback = Callback()
+        self.start = self.stop = None
+
+
+def run(setup: str, model_name: str, seq_len: int, steps: int, out_dir: str) -> dict:
+    import torch
+    from datasets import Dataset
+
+    from lce_patch import FusedLCECallback
+
+    model = build_model(model_name)
+    model.gradient_checkpointing_enable()
+    vocab = model.config.vocab_size
+    generator = torch.Generator().manual_seed(0)
+    rows = [{"input_ids": torch.randint(0, vocab, (seq_len,), generator=generator).tolist()} for _ in range(steps)]
+    dataset = Dataset.from_list(rows)
+    timer = _Timer()
+    callbacks = [timer.callback] + ([FusedLCECallback()] if setup.endswith("lce_patch") else [])
+    common = dict(
+        output_dir=out_dir,
+        max_steps=steps,
+        per_device_train_batch_size=1,
+        bf16=True,
+        report_to=[],
+        save_strategy="no",
+        logging_steps=1,
+        learning_rate=1e-5,
+        disable_tqdm=True,
+    )
+    torch.cuda.reset_peak_memory_stats()
+    if setup.startswith("trainer"):
+        from transformers import Trainer, TrainingArguments
+
+        def collate(batch):
+            ids = torch.tensor([b["input_ids"] for b in batch])
+            return {"input_ids": ids, "labels": ids.clone()}
+
+        trainer = Trainer(
+            model=model,
+            args=TrainingArguments(**common),
+            train_dataset=dataset,
+            data_collator=collate,
+            callbacks=callbacks,
+        )
+    else:
+        from trl import SFTConfig, SFTTrainer
+
+        trainer = SFTTrainer(
+            model=model,
+            args=SFTConfig(**common, max_length=seq_len, dataset_kwargs={"skip_prepare_dataset": True}),
+            train_dataset=dataset,
+            callbacks=callbacks,
+            data_collator=lambda b: {
+                "input_ids": torch.tensor([x["input_ids"] for x in b]),
+                "labels": torch.tensor([x["input_ids"] for x in b]),
+            },
+        )
+    trainer.train()
+    losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    result = {
+        "setup": setup,
+        "model": model_name,
+        "seq_len": seq_len,
+        "steps": steps,
+        "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
+        "tokens_per_s": seq_len * (steps - 1) / (timer.stop - timer.start),
+        "losses": losses,
+    }
+    del trainer, model
+    gc.collect()
+    torch.cuda.empty_cache()
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", default="llama-3.2-1b,gemma-2-2b")
+    parser.add_argument("--setups", default="trainer,trainer+lce_patch,sft-trl-head,sft+lce_patch")
+    parser.add_argument("--seq-len", type=int, default=4096)
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "e2e.json"))
+    args = parser.parse_args()
+    import torch
+
+    results = []
+    for model_name in args.models.split(","):
+        for setup in args.setups.split(","):
+            try:
+                results.append(run(setup, model_name, args.seq_len, args.steps, "/tmp/e2e"))
+            except Exception as error:  # report and go on: one failing setup must not hide the others
+                results.append({"setup": setup, "model": model_name, "error": repr(error)[:300]})
+                torch.cuda.empty_cache()
+            print(json.dumps(results[-1]), flush=True)
+    with open(args.out, "w") as f:
+        json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "results": results}, f, indent=1)
+    print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}, seq {args.seq_len}, batch 1, bf16")
+    print("| model | setup | peak GiB | tokens/s | first/last loss |\n|---|---|---|---|---|")
+    for r in results:
+        if "error" in r:
+            print(f"| {r['model']} | {r['setup']} | error: {r['error'][:80]} | | |")
+        else:
+            print(
+                f"| {r['model']} | {r['setup']} | {r['peak_gib']:.2f} | {r['tokens_per_s']:.0f} | "
+                f"{r['losses'][0]:.3f} / {r['losses'][-1]:.3f} |"
+            )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,584 @@
+"""What both recipes share: the embedded model, tokenizer and data, and the ``--compare`` harness.
+
+A recipe supplies a :class:`Recipe`: how to turn the loaded dataset into its training set, and how to
+build its Trainer from a model, a tokenizer, that set and a list of callbacks. :func:`run_recipe` does
+the rest: a single training run with the fused loss, or, with ``--compare``, two runs of the same
+steps (same initial weights, same data order), one without and one with
+``lce_patch.FusedLCECallback``, measured and reported side by side.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import importlib.util
+import json
+import math
+import sys
+import time
+import weakref
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import datasets
+import torch
+from _cli import EMBEDDED_DATA, RECIPES_DIR
+from torch.utils._python_dispatch import TorchDispatchMode
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    LlamaConfig,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+    PreTrainedTokenizerFast,
+    ProgressCallback,
+    Trainer,
+    TrainerCallback,
+    TrainerControl,
+    TrainerState,
+    TrainingArguments,
+    set_seed,
+)
+
+if importlib.util.find_spec("lce_patch") is None and (RECIPES_DIR.parent / "lce_patch").is_dir():
+    # Run from a clone without `pip install -e .`: use the checkout's package.
+    sys.path.insert(0, str(RECIPES_DIR.parent))
+
+import lce_patch  # noqa: E402  (after the path fix-up)
+
+# The embedded model: a Llama small enough to train on two CPU cores in about a minute. The
+# tokenizer learns about 1,300 tokens from the shipped data; the model's vocabulary is padded to
+# EMBEDDED_VOCAB rows (real models pad theirs too), so that, with V >> hidden as in every real LLM,
+# the LM head and its logits take the share of memory they take at scale.
+EMBEDDED_VOCAB = 4096
+EMBEDDED_CONFIG: dict[str, Any] = dict(
+    hidden_size=256,
+    intermediate_size=688,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=2048,
+    tie_word_embeddings=False,
+)
+EMBEDDED_LR, LORA_LR, FULL_LR = 1e-3, 2e-4, 2e-5
+
+# The embedded tokenizer: byte-level BPE trained on the shipped data at startup (deterministic, ~0.1 s).
+SPECIAL_TOKENS = ["<|pad|>", "<|end|>", "<|system|>", "<|user|>", "<|assistant|>"]
+# One role token per message, content, <|end|>. The assistant's part is marked for
+# return_assistant_tokens_mask (TRL's assistant_only_loss).
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|{{ message['role'] }}|>"
+    "{% if message['role'] == 'assistant' %}{% generation %}{{ message['content'] }}<|end|>{% endgeneration %}"
+    "{% else %}{{ message['content'] }}<|end|>{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+FUSED, BASELINE = "lce_patch", "baseline"
+# transformers 5.19 renamed gradient_checkpointing (now a deprecated alias) to activation_checkpointing.
+CHECKPOINTING_FIELD = next(
+    (f.name for f in dataclasses.fields(TrainingArguments) if f.name == "activation_checkpointing"),
+    "gradient_checkpointing",
+)
+MIB = 1024 * 1024
+
+
+# ----------------------------------------------------------------------------------------------
+# Model, tokenizer, data
+# ----------------------------------------------------------------------------------------------
+
+
+def learning_rate(args: argparse.Namespace) -> float:
+    """``--lr``, or a default that suits the model: from scratch, LoRA, or full fine-tuning."""
+    if args.lr is not None:
+        return args.lr
+    if args.model is None:
+        return EMBEDDED_LR
+    return LORA_LR if args.lora else FULL_LR
+
+
+def build_embedded_tokenizer(
+    data_path: Path = EMBEDDED_DATA, vocab_size: int = EMBEDDED_VOCAB
+) -> PreTrainedTokenizerFast:
+    """A byte-level BPE tokenizer trained on the messages of ``data_path``, with a chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    texts = [
+        message["content"]
+        for line in data_path.read_text(encoding="utf-8").splitlines()
+        if line.strip()
+        for message in json.loads(line).get("messages", [])
+    ]
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    bpe.train_from_iterator(texts, trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=bpe,
+        eos_token="<|end|>",
+        pad_token="<|pad|>",
+        additional_special_tokens=SPECIAL_TOKENS[2:],
+        chat_template=CHAT_TEMPLATE,
+        model_max_length=EMBEDDED_CONFIG["max_position_embeddings"],
+    )
+
+
+def load_tokenizer(args: argparse.Namespace) -> PreTrainedTokenizerBase:
+    """The model's tokenizer (``--model``) or the embedded one; a pad token is always set."""
+    tokenizer = AutoTokenizer.from_pretrained(args.model) if args.model else build_embedded_tokenizer()
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def embedded_vocab(tokenizer: PreTrainedTokenizerBase) -> int:
+    """Rows of the embedded model's vocabulary: the tokenizer's, padded to EMBEDDED_VOCAB."""
+    return max(EMBEDDED_VOCAB, len(tokenizer))
+
+
+def load_model(args: argparse.Namespace, tokenizer: PreTrainedTokenizerBase) -> PreTrainedModel:
+    """``--model`` from the hub or disk, or the embedded Llama with fresh weights from ``--seed``.
+
+    Called once per run, so both runs of ``--compare`` start from the same weights.
+    """
+    set_seed(args.seed)
+    if args.model:
+        return AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
+    config = LlamaConfig(
+        vocab_size=embedded_vocab(tokenizer),
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=None,
+        **EMBEDDED_CONFIG,
+    )
+    return AutoModelForCausalLM.from_config(config)
+
+
+def load_train_dataset(args: argparse.Namespace) -> datasets.Dataset:
+    """``--dataset`` (local JSON/JSONL file or hub id), or the shipped conversations."""
+    source = args.dataset
+    if source is None or Path(source).is_file():
+        path = Path(source) if source else EMBEDDED_DATA
+        if path.suffix not in (".json", ".jsonl"):
+            raise SystemExit(f"--dataset {path}: a local dataset must be a .json or .jsonl file")
+        dataset = datasets.load_dataset("json", data_files=str(path), split="train")
+    else:
+        dataset = datasets.load_dataset(source, args.dataset_config, split=args.dataset_split)
+    if args.max_examples is not None:
+        dataset = dataset.select(range(min(args.max_examples, len(dataset))))
+    return dataset
+
+
+def lora_config(args: argparse.Namespace) -> Any:
+    """The peft LoraConfig of ``--lora``: every linear layer of the decoder, the LM head excluded."""
+    from peft import LoraConfig
+
+    return LoraConfig(
+        r=args.lora_rank,
+        lora_alpha=2 * args.lora_rank,
+        lora_dropout=0.0,
+        target_modules="all-linear",
+        task_type="CAUSAL_LM",
+    )
+
+
+def accelerator_available() -> bool:
+    """Whether torch sees a GPU (CUDA, or another accelerator through ``torch.accelerator``)."""
+    accelerator = getattr(torch, "accelerator", None)
+    return torch.cuda.is_available() or bool(accelerator is not None and accelerator.is_available())
+
+
+def training_kwargs(args: argparse.Namespace, output_dir: Path) -> dict[str, Any]:
+    """TrainingArguments fields both recipes use (also valid for TRL's SFTConfig)."""
+    return dict(
+        output_dir=str(output_dir),
+        max_steps=args.max_steps,
+        per_device_train_batch_size=args.batch_size,
+        gradient_accumulation_steps=args.grad_accum,
+        learning_rate=learning_rate(args),
+        lr_scheduler_type="cosine",
+        warmup_steps=math.ceil(0.1 * args.max_steps),
+        weight_decay=0.0,
+        bf16=args.bf16,
+        **{CHECKPOINTING_FIELD: args.gradient_checkpointing},
+        seed=args.seed,
+        data_seed=args.seed,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        include_num_input_tokens_seen="non_padding",
+        dataloader_num_workers=0,
+        dataloader_pin_memory=torch.cuda.is_available(),
+        use_cpu=not accelerator_available(),  # also lets --bf16 autocast on a CPU
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# Measurement
+# ----------------------------------------------------------------------------------------------
+
+
+class StepRecorder(TrainerCallback):
+    """Records, per optimizer step: the logged metrics, the wall time and the non-padding tokens.
+
+    A step's time runs from the end of the previous step (or the start of training) to the end of
+    this one, so it includes data loading and logging: what a user waits for.
+    """
+
+    def __init__(self) -> None:
+        self.logs: dict[int, dict[str, float]] = {}
+        self.step_seconds: list[float] = []
+        self.step_tokens: list[int] = []
+        self._last_time = 0.0
+        self._last_tokens = 0
+
+    @staticmethod
+    def _now() -> float:
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
+    def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any):
+        self._last_time, self._last_tokens = self._now(), state.num_input_tokens_seen
+
+    def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any):
+        now = self._now()
+        self.step_seconds.append(now - self._last_time)
+        self.step_tokens.append(int(state.num_input_tokens_seen - self._last_tokens))
+        self._last_time, self._last_tokens = now, state.num_input_tokens_seen
+
+    def on_log(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        logs: dict[str, Any] | None = None,
+        **kwargs: Any,
+    ):
+        numbers = {k: float(v) for k, v in (logs or {}).items() if isinstance(v, (int, float))}
+        self.logs.setdefault(state.global_step, {}).update(numbers)
+
+
+class LossProgressBar(ProgressCallback):
+    """Trainer's tqdm bar, labelled with the run's name, showing the loss instead of printing each log."""
+
+    def __init__(self, label: str) -> None:
+        super().__init__()
+        self.label = label
+
+    def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any):
+        super().on_train_begin(args, state, control, **kwargs)
+        if self.training_bar is not None:
+            self.training_bar.set_description(self.label)
+
+    def on_log(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        logs: dict[str, Any] | None = None,
+        **kwargs: Any,
+    ):
+        if self.training_bar is not None and logs and "loss" in logs:
+            self.training_bar.set_postfix(loss=f"{logs['loss']:.3f}", refresh=False)
+
+
+class LiveTensorBytes(TorchDispatchMode):
+    """Peak bytes of live CPU tensor storages created while the mode is active.
+
+    The CPU counterpart of ``torch.cuda.max_memory_allocated``: the fresh outputs of every op (ops
+    whose schema says they return a new tensor, not a view or an input written in place) are
+    counted until they are freed (a weakref callback). Storages that existed before the mode was
+    entered are not seen; add them through ``baseline``.
+    """
+
+    def __init__(self, baseline: int = 0) -> None:
+        super().__init__()
+        self.current = self.peak = baseline
+        self._live: dict[weakref.ref, int] = {}
+        self._allocates: dict[Any, bool] = {}  # op -> whether it returns fresh tensors
+
+    def _free(self, ref: weakref.ref) -> None:
+        self.current -= self._live.pop(ref, 0)
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        allocates = self._allocates.get(func)
+        if allocates is None:
+            allocates = self._allocates[func] = any(r.alias_info is None for r in func._schema.returns)
+        if allocates:
+            for tensor in out if isinstance(out, (tuple, list)) else (out,):
+                if isinstance(tensor, torch.Tensor) and tensor.device.type == "cpu":
+                    storage = tensor.untyped_storage()
+                    ref = weakref.ref(storage, self._free)
+                    if ref not in self._live:
+                        self._live[ref] = storage.nbytes()
+                        self.current += self._live[ref]
+                        self.peak = max(self.peak, self.current)
+        return out
+
+
+def storage_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the model's parameters and buffers (shared storages counted once)."""
+    storages = {id(t.untyped_storage()): t.untyped_storage().nbytes() for t in [*model.parameters(), *model.buffers()]}
+    return sum(storages.values())
+
+
+@contextmanager
+def peak_memory(model: torch.nn.Module) -> Iterator[dict[str, Any]]:
+    """Measures the peak memory of the block: fills ``{"bytes": int | None, "method": str}``."""
+    result: dict[str, Any] = {"bytes": None, "method": "n/a"}
+    device = next(model.parameters()).device
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        yield result
+        result.update(bytes=torch.cuda.max_memory_allocated(), method="torch.cuda.max_memory_allocated")
+    elif device.type == "cpu":
+        tracker = LiveTensorBytes(baseline=storage_bytes(model))
+        with tracker:
+            yield result
+        result.update(bytes=tracker.peak, method="live CPU tensor bytes (TorchDispatchMode)")
+    else:
+        yield result
+
+
+@dataclasses.dataclass
+class RunResult:
+    """What one training run measured."""
+
+    name: str
+    losses: list[float]
+    step_seconds: list[float]
+    step_tokens: list[int]
+    peak_bytes: int | None
+    memory_method: str
+    last_metrics: dict[str, float] = dataclasses.field(default_factory=dict)
+
+    @property
+    def timed(self) -> slice:
+        """The steps that time and throughput average over: all but the first (warm-up), if there are more."""
+        return slice(1 if len(self.step_seconds) > 1 else 0, None)
+
+    @property
+    def seconds_per_step(self) -> float:
+        times = self.step_seconds[self.timed]
+        return sum(times) / max(len(times), 1)
+
+    @property
+    def tokens_per_second(self) -> float:
+        return sum(self.step_tokens[self.timed]) / max(sum(self.step_seconds[self.timed]), 1e-9)
+
+
+# ----------------------------------------------------------------------------------------------
+# Running
+# ----------------------------------------------------------------------------------------------
+
+TrainerFactory = Callable[
+    [argparse.Namespace, PreTrainedModel, PreTrainedTokenizerBase, datasets.Dataset, list[TrainerCallback], Path],
+    Trainer,
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class Recipe:
+    """One recipe: its name, what its baseline is, and how it builds its data and Trainer.
+
+    ``prepare_dataset(args, dataset, tokenizer)`` runs once; ``make_trainer(args, model, tokenizer,
+    dataset, callbacks, output_dir)`` runs once per training run and must pass ``callbacks`` on.
+    """
+
+    name: str
+    baseline: str
+    prepare_dataset: Callable[[argparse.Namespace, datasets.Dataset, PreTrainedTokenizerBase], datasets.Dataset]
+    make_trainer: TrainerFactory
+
+
+def fused_callback(args: argparse.Namespace) -> TrainerCallback:
+    """``lce_patch.FusedLCECallback`` with the options given on the command line."""
+    options = {} if args.chunk_size is None else {"chunk_size": args.chunk_size}
+    return lce_patch.FusedLCECallback(**options)
+
+
+def train_once(
+    recipe: Recipe,
+    args: argparse.Namespace,
+    tokenizer: PreTrainedTokenizerBase,
+    dataset: datasets.Dataset,
+    *,
+    fused: bool,
+    output_dir: Path,
+    save: bool = False,
+) -> RunResult:
+    """One training run from fresh weights, with or without the fused loss, measured."""
+    name = FUSED if fused else BASELINE
+    model = load_model(args, tokenizer)
+    recorder = StepRecorder()
+    callbacks = [recorder, *([fused_callback(args)] if fused else [])]
+    trainer = recipe.make_trainer(args, model, tokenizer, dataset, callbacks, output_dir)
+    trainer.remove_callback(ProgressCallback)
+    trainer.add_callback(LossProgressBar(f"{name:>9}"))
+    with peak_memory(trainer.model) as memory:
+        trainer.train()
+    if save:
+        trainer.save_model(str(output_dir))
+    last = recorder.logs.get(max(recorder.logs, default=0), {})
+    result = RunResult(
+        name=name,
+        losses=[recorder.logs.get(step, {}).get("loss", math.nan) for step in range(1, len(recorder.step_seconds) + 1)],
+        step_seconds=recorder.step_seconds,
+        step_tokens=recorder.step_tokens,
+        peak_bytes=memory["bytes"],
+        memory_method=memory["method"],
+        last_metrics={k: v for k, v in last.items() if k in ("mean_token_accuracy", "entropy")},
+    )
+    del trainer, model
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return result
+
+
+def _pct(new: float | None, old: float | None) -> str:
+    if new is None or old is None or not old or math.isnan(new) or math.isnan(old):
+        return ""
+    return f"{100 * (new - old) / old:+.1f}%"
+
+
+def format_table(baseline: RunResult, fused: RunResult, baseline_label: str, max_rows: int = 60) -> str:
+    """The comparison as text: loss per step (every step, or evenly spaced ones), then a summary."""
+    steps = len(baseline.losses)
+    every = 1 if steps <= max_rows else math.ceil(steps / (max_rows // 2))
+    shown = sorted({*range(0, steps, every), steps - 1}) if steps else []
+    width = max(len(baseline_label), len(FUSED), 12)
+    lines = [f"{'step':>6}  {baseline_label:>{width}}  {FUSED:>{width}}  {'difference':>10}"]
+    for i in shown:
+        a, b = baseline.losses[i], fused.losses[i] if i < len(fused.losses) else math.nan
+        lines.append(f"{i + 1:>6}  {a:>{width}.4f}  {b:>{width}.4f}  {b - a:>+10.2e}")
+    if every > 1:
+        lines.append(f"(one step in {every} shown; every step is in compare.json)")
+    differences = [abs(b - a) for a, b in zip(baseline.losses, fused.losses)]
+    if differences:
+        lines.append(f"largest loss difference: {max(differences):.2e}")
+
+    def mib(result: RunResult) -> float | None:
+        return None if result.peak_bytes is None else result.peak_bytes / MIB
+
+    def cell(value: float | None, fmt: str) -> str:
+        return "n/a" if value is None else format(value, fmt)
+
+    rows: list[tuple[str, float | None, float | None, str]] = [
+        ("peak memory (MiB)", mib(baseline), mib(fused), ".1f"),
+        ("time per step (s)", baseline.seconds_per_step, fused.seconds_per_step, ".3f"),
+        ("tokens/s", baseline.tokens_per_second, fused.tokens_per_second, ",.0f"),
+        ("final loss", baseline.losses[-1] if steps else None, fused.losses[-1] if fused.losses else None, ".4f"),
+    ]
+    for key in ("mean_token_accuracy", "entropy"):
+        if key in baseline.last_metrics and key in fused.last_metrics:
+            rows.append((f"final {key}", baseline.last_metrics[key], fused.last_metrics[key], ".4f"))
+    label = max(len(r[0]) for r in rows)
+    lines += ["", f"{'':<{label}}  {baseline_label:>{width}}  {FUSED:>{width}}  {'change':>10}"]
+    for name, a, b, fmt in rows:
+        lines.append(f"{name:<{label}}  {cell(a, fmt):>{width}}  {cell(b, fmt):>{width}}  {_pct(b, a):>10}")
+    lines.append(f"peak memory: {fused.memory_method}; time and tokens/s: mean over steps 2-{steps}")
+    return "\n".join(lines)
+
+
+def plot_comparison(baseline: RunResult, fused: RunResult, baseline_label: str, title: str, path: Path) -> None:
+    """Writes a PNG: both loss curves (left) and both peak memories with the saving (right)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_loss, ax_mem) = plt.subplots(1, 2, figsize=(11, 4.2), gridspec_kw={"width_ratios": [2.2, 1]})
+    for result, label, style in ((baseline, baseline_label, "-"), (fused, FUSED, "--")):
+        steps = range(1, len(result.losses) + 1)
+        ax_loss.plot(steps, result.losses, style, label=label, linewidth=1.8)
+    ax_loss.set(xlabel="optimizer step", ylabel="training loss", title="loss per step")
+    ax_loss.grid(alpha=0.3)
+    ax_loss.legend()
+
+    if baseline.peak_bytes is not None and fused.peak_bytes is not None:
+        values = [baseline.peak_bytes / MIB, fused.peak_bytes / MIB]
+        bars = ax_mem.bar([baseline_label, FUSED], values, color=["tab:gray", "tab:blue"])
+        ax_mem.bar_label(bars, fmt="%.0f MiB")
+        saved = values[0] - values[1]
+        verb = "saved" if saved >= 0 else "more"
+        ax_mem.set_title(f"peak memory: {abs(saved):.0f} MiB {verb} ({100 * abs(saved) / values[0]:.0f}%)")
+        ax_mem.set_ylabel("MiB")
+        ax_mem.set_ylim(0, max(values) * 1.18)
+    else:
+        ax_mem.text(0.5, 0.5, "peak memory not measured", ha="center", va="center")
+        ax_mem.set_axis_off()
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def describe(args: argparse.Namespace, tokenizer: PreTrainedTokenizerBase, dataset: datasets.Dataset) -> str:
+    """One line naming the model, data and batch shape of the run."""
+    layers, hidden, vocab = (
+        EMBEDDED_CONFIG["num_hidden_layers"],
+        EMBEDDED_CONFIG["hidden_size"],
+        embedded_vocab(tokenizer),
+    )
+    model = args.model or f"embedded Llama ({layers} layers, hidden {hidden}, vocab {vocab})"
+    data = args.dataset or EMBEDDED_DATA.name
+    device = "cuda" if torch.cuda.is_available() else f"cpu ({torch.get_num_threads()} threads)"
+    return (
+        f"{model}{' + LoRA' if args.lora else ''} on {data} ({len(dataset)} training sequences), {args.max_steps} steps of "
+        f"{args.batch_size}x{args.grad_accum} sequences <= {args.seq_len} tokens, "
+        f"{'bf16' if args.bf16 else 'fp32'}, {device}"
+    )
+
+
+def run_recipe(recipe: Recipe, args: argparse.Namespace) -> int:
+    """Train with the fused loss, or with ``--compare`` train twice and report the comparison."""
+    datasets.disable_progress_bars()
+    args.output_dir.mkdir(parents=True, exist_ok=True)
+    tokenizer = load_tokenizer(args)
+    dataset = recipe.prepare_dataset(args, load_train_dataset(args), tokenizer)
+    print(describe(args, tokenizer, dataset), flush=True)
+
+    if not args.compare:
+        result = train_once(recipe, args, tokenizer, dataset, fused=True, output_dir=args.output_dir, save=True)
+        memory = "n/a" if result.peak_bytes is None else f"{result.peak_bytes / MIB:.1f} MiB"
+        print(
+            f"loss {result.losses[0]:.4f} -> {result.losses[-1]:.4f} in {len(result.losses)} steps, "
+            f"peak memory {memory}, {result.seconds_per_step:.3f} s/step, {result.tokens_per_second:,.0f} tokens/s; "
+            f"model saved to {args.output_dir}"
+        )
+        return 0
+
+    results = [
+        train_once(recipe, args, tokenizer, dataset, fused=fused, output_dir=args.output_dir / name)
+        for fused, name in ((False, BASELINE), (True, FUSED))
+    ]
+    baseline, fused = results
+    print()
+    print(format_table(baseline, fused, recipe.baseline))
+    title = f"recipes/{recipe.name}.py --compare: {args.model or 'embedded Llama'}, {args.max_steps} steps"
+    png, record = args.output_dir / "compare.png", args.output_dir / "compare.json"
+    plot_comparison(baseline, fused, recipe.baseline, title, png)
+    summary = {
+        "recipe": recipe.name,
+        "baseline": recipe.baseline,
+        "setup": describe(args, tokenizer, dataset),
+        "runs": [
+            {**dataclasses.asdict(r), "seconds_per_step": r.seconds_per_step, "tokens_per_second": r.tokens_per_second}
+            for r in results
+        ],
+    }
+    record.write_text(json.dumps(summary, indent=1, allow_nan=True) + "\n", encoding="utf-8")
+    print(f"\nwrote {png} and {record}")
+    return 0
