@@ -74,11 +74,18 @@ def test_random_problems_match_reference(backend, dtype, problem):
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("where", ["hidden", "weight"])
 @pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf])
-def test_non_finite_input_gives_nan_like_the_unfused_path(backend, where, value):
-    hidden = torch.randn(9, 8)
-    weight = torch.randn(17, 8)
-    labels = torch.randint(0, 17, (9,))
-    (hidden if where == "hidden" else weight)[2, 3] = value
+@pytest.mark.parametrize("vocab_size, bad_row", [(17, 2), (17, 0), (2100, 5), (2100, 2060)])
+def test_non_finite_input_gives_nan_like_the_unfused_path(backend, where, value, vocab_size, bad_row):
+    # bad_row: the hidden row or vocabulary entry hit; 2100 spans two blocks of the Triton kernel's
+    # lanes, so the bad logit is the first value its lane sees (5) or comes after finite ones (2060).
+    generator = torch.Generator().manual_seed(vocab_size + bad_row)
+    hidden = torch.randn(9, 8, generator=generator)
+    weight = torch.randn(vocab_size, 8, generator=generator)
+    labels = torch.randint(0, vocab_size, (9,), generator=generator)
+    if where == "hidden":
+        hidden[bad_row % 9, 3] = value
+    else:
+        weight[bad_row, 3] = value
     ref = naive_linear_cross_entropy(hidden.double(), weight.double(), labels)
     loss = fused_linear_cross_entropy(
         hidden.requires_grad_(), weight.requires_grad_(), labels, backend=backend, chunk_size=4

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from .rows import LogitTransform, RowOutputs, chunk_grad, chunk_stats, scale_inplace
+from .rows import LogitTransform, RowOutputs, chunk_grad, chunk_stats, scale_inplace, target_logits
 
 # Default size of the logits buffer: 256 MiB, but never fewer than 1024 token rows. cuBLAS runs
 # the three GEMM shapes near its full-size rate from about 1024 rows (K of the dW GEMM, M of the
@@ -157,6 +157,9 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         grads = (
             _GradAccumulator(hidden, weight, bias, needs_hidden, needs_weight, needs_bias) if grad_in_forward else None
         )
+        # The buffer holds logits rounded to the compute dtype; the loss reads the target logit once
+        # more in fp32 so that rounding does not reach it (fp32 buffers need no second look).
+        target_raw = target_logits(hidden, weight, bias, labels, use_triton) if hidden.dtype != torch.float32 else None
         buffer = torch.empty(min(chunk_rows, max(num_rows, 1)), vocab_size, dtype=hidden.dtype, device=device)
         for start in range(0, num_rows, chunk_rows):
             stop = min(start + chunk_rows, num_rows)
@@ -164,13 +167,16 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             hidden_chunk = hidden[start:stop]
             _matmul_into(raw, hidden_chunk, weight, bias)
             chunk_out = RowOutputs(*(None if t is None else t[start:stop] for t in vars(out).values()))
-            chunk_stats(
-                raw, labels[start:stop], transform, chunk_out, reduce_scale if grad_in_forward else None, use_triton
-            )
+            chunk_target = target_raw[start:stop] if target_raw is not None else None
+            grad_scale = reduce_scale if grad_in_forward else None
+            chunk_stats(raw, labels[start:stop], transform, chunk_out, grad_scale, use_triton, chunk_target)
             if grads is not None:
                 grads.add(raw, hidden_chunk, start, stop)
         del buffer
 
+        # Outputs that get no gradient (entropy logged as a metric, say) arrive as None, not as
+        # zeros, so the backward can skip their terms.
+        ctx.set_materialize_grads(False)
         ctx.transform = transform
         ctx.chunk_rows = chunk_rows
         ctx.use_triton = use_triton
@@ -210,6 +216,8 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
                 "(its gradients were computed in the forward and are scaled in place)."
             )
         ctx.backward_done = True
+        if grad_loss is None:
+            return (None,) * 10
         dh, dw, db = ctx.saved_tensors
         for grad in (dh, dw, db):
             if grad is not None:

@@ -22,6 +22,12 @@ sum ``s`` of ``exp(z - m)``, rescaled when the max grows, plus the target logit,
 sum of ``p * z`` (entropy) and the max over positions before the target (argmax check with the
 first-index tie rule of ``torch.argmax``). The target logit is picked by comparing column indices
 with the label, never by indexing with it, so an out-of-range label cannot read out of bounds.
+The buffer rounds each logit to the compute dtype (bf16: a relative error of 2^-9, ~0.06 on a
+logit of 30), and the loss reads the target logit directly; so with ``HAS_EXACT_TARGET`` the loss
+uses the target's raw logit computed in fp32 by ``_target_logit_kernel`` (a D-long dot product per
+token) and swaps its term inside the sum of exponentials. On the H100 this took the bf16 loss
+error from ~6e-5 to ~2e-6 relative to fp32 (benchmarks/NOTES.md, v5). The gradient keeps the
+buffer's own softmax, which is what the GEMMs consume.
 When ``WRITE_GRAD`` is set, a second pass overwrites the buffer in place with the gradient above,
 times the reduction factor read from device memory (1/n_valid or 1/num_items_in_batch for a
 valid row, 0 for an ignored one), exactly where the unfused path applies it: scaling a bf16 dh or
@@ -72,6 +78,7 @@ def _stats_kernel(
     is_top1_ptr,
     mean_logit_ptr,
     grad_scale_ptr,
+    target_raw_ptr,
     vocab_size,
     ignore_index,
     logit_scale,
@@ -82,6 +89,7 @@ def _stats_kernel(
     HAS_SOFTCAP: tl.constexpr,
     HAS_SMOOTHING: tl.constexpr,
     HAS_Z_LOSS: tl.constexpr,
+    HAS_EXACT_TARGET: tl.constexpr,
     WANT_ENTROPY: tl.constexpr,
     WANT_TOP1: tl.constexpr,
     WANT_MEAN_LOGIT: tl.constexpr,
@@ -112,7 +120,9 @@ def _stats_kernel(
         z, _ = _transform(raw, logit_scale, softcap, inv_temperature, HAS_SOFTCAP)
         z_or_0 = tl.where(in_row, z, 0.0)
         z = tl.where(in_row, z, float("-inf"))
-        new_max = tl.maximum(lane_max, z)
+        # NaN must win the max (the default max drops it): a NaN logit seen first in its lane would
+        # otherwise look like padding below and vanish from the sums, giving a finite wrong loss.
+        new_max = tl.maximum(lane_max, z, propagate_nan=tl.PropagateNan.ALL)
         empty_lane = new_max == float("-inf")  # only padding seen so far: keep zero sums, no inf - inf
         rescale = tl.where(empty_lane, 1.0, tl.exp(lane_max - new_max))
         e = tl.where(empty_lane, 0.0, tl.exp(z - new_max))
@@ -135,11 +145,22 @@ def _stats_kernel(
     max_before_target = tl.max(lane_before_target, 0)
 
     lse = running_max + tl.log(sum_exp)
-    loss = lse - target_z
+    # The loss uses the target logit before the buffer's rounding when it is given (fp32 dot product
+    # of the row with the target's weight row): swap its term in the sum of exponentials. The
+    # gradient keeps ``lse`` of the buffer, so its softmax sums to one over what the GEMMs see.
+    loss_lse = lse
+    loss_target_z = target_z
+    if HAS_EXACT_TARGET:
+        label_in_row = valid & (label >= 0) & (label < vocab_size)
+        exact_z, _ = _transform(tl.load(target_raw_ptr + row), logit_scale, softcap, inv_temperature, HAS_SOFTCAP)
+        exact_sum = tl.maximum(sum_exp - tl.exp(target_z - running_max), 0.0) + tl.exp(exact_z - running_max)
+        loss_lse = tl.where(label_in_row, running_max + tl.log(exact_sum), lse)
+        loss_target_z = tl.where(label_in_row, exact_z, target_z)
+    loss = loss_lse - loss_target_z
     if HAS_SMOOTHING:
-        loss = lse - (1.0 - label_smoothing) * target_z - label_smoothing * (sum_z / vocab_size)
+        loss = loss_lse - (1.0 - label_smoothing) * loss_target_z - label_smoothing * (sum_z / vocab_size)
     if HAS_Z_LOSS:
-        loss += z_loss * lse * lse
+        loss += z_loss * loss_lse * loss_lse
     tl.store(loss_ptr + row, tl.where(valid, loss, 0.0))
     tl.store(lse_ptr + row, lse)
     if WANT_ENTROPY:
@@ -222,6 +243,43 @@ def _grad_kernel(
     if HAS_SOFTCAP:
         grad = grad * (1.0 - t * t)
     tl.store(row_ptr + cols, grad.to(logits_ptr.dtype.element_ty), mask=in_row)
+
+
+@triton.jit
+def _target_logit_kernel(
+    hidden_ptr,
+    hidden_row_stride,
+    weight_ptr,
+    weight_row_stride,
+    bias_ptr,
+    labels_ptr,
+    out_ptr,
+    hidden_size,
+    vocab_size,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """``out[row] = hidden[row] . weight[label] (+ bias[label])`` in fp32, 0 for labels outside [0, V).
+
+    The GEMM rounds each logit to the compute dtype (bf16: 8 bits of mantissa, an error of ~0.1
+    on a logit of 30); the target logit is the one the loss reads directly, so computing it once
+    more in fp32 (2*N*D FLOPs, one weight row per token) removes most of the loss's rounding error.
+    """
+    row = tl.program_id(0).to(tl.int64)
+    label = tl.load(labels_ptr + row)
+    in_range = (label >= 0) & (label < vocab_size)
+    safe_label = tl.where(in_range, label, 0).to(tl.int64)
+    acc = tl.zeros([BLOCK_D], tl.float32)
+    for start in range(0, hidden_size, BLOCK_D):
+        offsets = start + tl.arange(0, BLOCK_D)
+        mask = offsets < hidden_size
+        h = tl.load(hidden_ptr + row * hidden_row_stride + offsets, mask=mask, other=0.0).to(tl.float32)
+        w = tl.load(weight_ptr + safe_label * weight_row_stride + offsets, mask=mask, other=0.0).to(tl.float32)
+        acc += h * w
+    value = tl.sum(acc, 0)
+    if HAS_BIAS:
+        value += tl.load(bias_ptr + safe_label).to(tl.float32)
+    tl.store(out_ptr + row, tl.where(in_range, value, 0.0))
 
 
 @triton.jit

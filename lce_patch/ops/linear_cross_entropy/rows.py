@@ -86,21 +86,32 @@ def _raw_grad_factor(transform: LogitTransform, tanh: torch.Tensor | None, grad_
     return grad_z
 
 
-def _torch_chunk_stats(raw, labels, transform, out: RowOutputs, grad_scale: torch.Tensor | None) -> None:
+def _torch_chunk_stats(
+    raw, labels, transform, out: RowOutputs, grad_scale: torch.Tensor | None, target_raw: torch.Tensor | None
+) -> None:
     z, tanh = _final_logits(raw, transform)
     vocab_size = z.shape[1]
     valid = labels != transform.ignore_index
     safe_labels = torch.where(valid, labels, 0).unsqueeze(1)
     lse = torch.logsumexp(z, dim=1)
     target_z = z.gather(1, safe_labels).squeeze(1)
-    loss = lse - target_z
+    loss_lse, loss_target_z = lse, target_z
+    if target_raw is not None:  # swap the rounded target logit for the fp32 one (see kernels.py)
+        exact_z, _ = _final_logits(target_raw, transform)
+        row_max = z.max(dim=1).values
+        exact_sum = (torch.exp(lse - row_max) - torch.exp(target_z - row_max)).clamp(min=0) + torch.exp(
+            exact_z - row_max
+        )
+        loss_lse = torch.where(valid, row_max + torch.log(exact_sum), lse)
+        loss_target_z = torch.where(valid, exact_z, target_z)
+    loss = loss_lse - loss_target_z
     if transform.label_smoothing or out.mean_logit is not None:
         mean_z = z.mean(dim=1)
     if transform.label_smoothing:
         eps = transform.label_smoothing
-        loss = lse - (1.0 - eps) * target_z - eps * mean_z
+        loss = loss_lse - (1.0 - eps) * loss_target_z - eps * mean_z
     if transform.z_loss:
-        loss = loss + transform.z_loss * lse * lse
+        loss = loss + transform.z_loss * loss_lse * loss_lse
     out.loss.copy_(torch.where(valid, loss, 0.0))
     out.lse.copy_(lse)
     if out.entropy is not None:
@@ -157,7 +168,9 @@ def _kernel_scalars(transform: LogitTransform) -> dict:
     }
 
 
-def _triton_chunk_stats(raw, labels, transform, out: RowOutputs, grad_scale: torch.Tensor | None) -> None:
+def _triton_chunk_stats(
+    raw, labels, transform, out: RowOutputs, grad_scale: torch.Tensor | None, target_raw: torch.Tensor | None
+) -> None:
     rows, vocab_size = raw.shape
     placeholder = out.loss
     _kernels._stats_kernel[(rows,)](
@@ -170,7 +183,9 @@ def _triton_chunk_stats(raw, labels, transform, out: RowOutputs, grad_scale: tor
         out.is_top1 if out.is_top1 is not None else placeholder,
         out.mean_logit if out.mean_logit is not None else placeholder,
         grad_scale if grad_scale is not None else placeholder,
+        target_raw if target_raw is not None else placeholder,
         vocab_size,
+        HAS_EXACT_TARGET=target_raw is not None,
         WANT_ENTROPY=out.entropy is not None,
         WANT_TOP1=out.is_top1 is not None,
         WANT_MEAN_LOGIT=out.mean_logit is not None,
@@ -231,14 +246,54 @@ def chunk_stats(
     out: RowOutputs,
     grad_scale: torch.Tensor | None,
     use_triton: bool,
+    target_raw: torch.Tensor | None = None,
 ) -> None:
     """Fill ``out`` for the rows of ``raw`` [C, V]. With ``grad_scale`` (fp32 0-d tensor, the
     reduction factor), overwrite ``raw`` in place with grad_scale * d(loss_row)/d(raw), zero for
-    ignored rows."""
+    ignored rows. ``target_raw`` (fp32 [C], from :func:`target_logits`) replaces the buffer's
+    rounded target logit in the loss (not in the gradient)."""
     if use_triton:
-        _triton_chunk_stats(raw, labels, transform, out, grad_scale)
+        _triton_chunk_stats(raw, labels, transform, out, grad_scale, target_raw)
     else:
-        _torch_chunk_stats(raw, labels, transform, out, grad_scale)
+        _torch_chunk_stats(raw, labels, transform, out, grad_scale, target_raw)
+
+
+def target_logits(
+    hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, labels: torch.Tensor, use_triton: bool
+) -> torch.Tensor:
+    """fp32 ``hidden[i] . weight[labels[i]] (+ bias)`` for every row [N], 0 where the label is
+    outside [0, V) (ignored rows). 2*N*D FLOPs and N weight rows read: negligible next to the GEMMs."""
+    num_rows, hidden_size = hidden.shape
+    vocab_size = weight.shape[0]
+    out = torch.empty(num_rows, dtype=torch.float32, device=hidden.device)
+    if num_rows == 0:
+        return out
+    if use_triton:
+        _kernels._target_logit_kernel[(num_rows,)](
+            hidden,
+            hidden.stride(0),
+            weight,
+            weight.stride(0),
+            bias if bias is not None else out,
+            labels,
+            out,
+            hidden_size,
+            vocab_size,
+            HAS_BIAS=bias is not None,
+            BLOCK_D=min(1024, _next_power_of_2(hidden_size)),
+        )
+        return out
+    in_range = (labels >= 0) & (labels < vocab_size)
+    safe_labels = torch.where(in_range, labels, 0)
+    # A row-wise dot product in fp32, a few thousand rows at a time to bound the fp32 copies.
+    for start in range(0, num_rows, 4096):
+        stop = min(start + 4096, num_rows)
+        rows_weight = weight[safe_labels[start:stop]].float()
+        value = (hidden[start:stop].float() * rows_weight).sum(dim=1)
+        if bias is not None:
+            value += bias[safe_labels[start:stop]].float()
+        out[start:stop] = torch.where(in_range[start:stop], value, 0.0)
+    return out
 
 
 def chunk_grad(
@@ -251,7 +306,8 @@ def chunk_grad(
     grad_entropy: torch.Tensor | None,
     use_triton: bool,
 ) -> None:
-    """Overwrite ``raw`` [C, V] with sum_row(grad_loss * dloss/draw + grad_entropy * dH/draw)."""
+    """Overwrite ``raw`` [C, V] with grad_loss * dloss/draw + grad_entropy * dH/draw, row by row
+    (``grad_loss``, ``grad_entropy``: fp32 [C] upstream gradients)."""
     if use_triton:
         _triton_chunk_grad(raw, labels, transform, lse, entropy, grad_loss, grad_entropy)
     else:
