@@ -96,7 +96,7 @@ def run(setup: str, model_name: str, seq_len: int, steps: int, out_dir: str) -> 
         output_dir=out_dir,
         max_steps=steps,
         per_device_train_batch_size=1,
-        bf16=True,
+        bf16=torch.cuda.is_available(),  # the CPU only for a smoke run
         report_to=[],
         save_strategy="no",
         logging_steps=1,
@@ -119,15 +119,24 @@ def run(setup: str, model_name: str, seq_len: int, steps: int, out_dir: str) -> 
             callbacks=callbacks,
         )
     else:
+        import sys
+
         from trl import SFTConfig, SFTTrainer
+
+        sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "recipes"))
+        from _common import build_embedded_tokenizer
 
         trainer = SFTTrainer(
             model=model,
+            # SFTTrainer wants a tokenizer and would look one up by the model's (empty) hub name; the
+            # data is tokenized already, so the recipes' offline tokenizer does.
+            processing_class=build_embedded_tokenizer(),
             args=SFTConfig(**common, max_length=seq_len, dataset_kwargs={"skip_prepare_dataset": True}),
             train_dataset=dataset,
             callbacks=callbacks,
             data_collator=lambda b: {
                 "input_ids": torch.tensor([x["input_ids"] for x in b]),
+                "attention_mask": torch.ones(len(b), len(b[0]["input_ids"]), dtype=torch.long),
                 "labels": torch.tensor([x["input_ids"] for x in b]),
             },
         )

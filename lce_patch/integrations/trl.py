@@ -314,7 +314,9 @@ def _make_forward(owner: torch.nn.Module, protocol: _Protocol, options: dict[str
     temperature = protocol.temperature
     cast_fp32 = protocol.cast_lm_head_to_fp32
 
-    def score(weight, bias, hidden, labels):
+    skip_ignored = options.get("skip_ignored", True)
+
+    def score(weight, bias, hidden, labels, num_valid_tokens=None):
         # Runs inside the lm_head module call (`head_call`), where FSDP / ZeRO-3 have gathered the weight
         autocast_ctx = nullcontext()
         if cast_fp32:
@@ -337,6 +339,7 @@ def _make_forward(owner: torch.nn.Module, protocol: _Protocol, options: dict[str
                 temperature=temperature,
                 return_entropy=want_entropy,
                 return_is_top1=want_top1,
+                num_valid_tokens=num_valid_tokens,
                 **op_kwargs,
             )
 
@@ -355,6 +358,10 @@ def _make_forward(owner: torch.nn.Module, protocol: _Protocol, options: dict[str
         if labels is None and shift_labels is None:
             raise ValueError("lce_patch: model(..., fused_lm_head=True) needs `labels` or `shift_labels`")
 
+        read_valid_count = None
+        if skip_ignored:  # counted before the backbone is queued; read after it (no pipeline stall)
+            targets = labels if shift_labels is None else shift_labels
+            read_valid_count = _ops.start_valid_token_count(targets, _IGNORE_INDEX, shift=shift_labels is None)
         kwargs["use_cache"] = False
         if getattr(text_config, "output_router_logits", False):
             kwargs.setdefault("output_router_logits", True)
@@ -366,7 +373,8 @@ def _make_forward(owner: torch.nn.Module, protocol: _Protocol, options: dict[str
             labels = shift_labels
         lm_head = self.get_output_embeddings()  # looked up per call: FSDP and PEFT replace it after patching
         device = lm_head.weight.device
-        per_token = head_call(lm_head, score, hidden.to(device), labels.to(device))
+        num_valid_tokens = read_valid_count() if read_valid_count is not None else None
+        per_token = head_call(lm_head, score, hidden.to(device), labels.to(device), num_valid_tokens)
         log_probs, mask = per_token.log_probs, per_token.label_mask
         denominator = mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch
         loss = -log_probs.sum() / denominator

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from ..ops.linear_cross_entropy.functional import fused_linear_cross_entropy
+from ..ops.linear_cross_entropy.functional import fused_linear_cross_entropy, start_valid_token_count
 from .head import head_call
 from .registry import ArchSpec
 
@@ -42,6 +42,7 @@ class LCEOptions:
     backend: str = "auto"
     chunk_size: int | None = None
     deterministic: bool = False
+    skip_ignored: bool = True
     return_logits_in_eval: bool = False
     allow_unregistered: bool = False
 
@@ -100,11 +101,14 @@ def fused_causal_lm_loss(
     shift_labels: torch.Tensor | None,
     loss_kwargs: dict[str, Any],
     options: LCEOptions,
+    num_valid_tokens: int | None = None,
 ) -> torch.Tensor:
     """Hugging Face's ``ForCausalLMLoss`` contract, computed from the hidden states through the head module.
 
     ``shift_labels`` is used as given, else ``labels`` are shifted; ``num_items_in_batch`` gives
     sum / num_items, else the mean over non-ignored tokens (0, still differentiable, when none is valid).
+    ``num_valid_tokens``: the count of targets that are not ignored, when known (the op then skips
+    the ignored ones without a host sync).
     """
     ignore_index = loss_kwargs.get("ignore_index", options.ignore_index)
     num_items_in_batch = loss_kwargs.get("num_items_in_batch")
@@ -135,6 +139,7 @@ def fused_causal_lm_loss(
             backend=options.backend,
             chunk_size=options.chunk_size,
             deterministic=options.deterministic,
+            num_valid_tokens=num_valid_tokens,
         )
 
     return head_call(getattr(model, spec.head), loss_fn, hidden)
@@ -215,9 +220,19 @@ def _fused_forward(
         decoder_kwargs["labels"] = labels
     decoder_kwargs.update(spec.decoder_extra_kwargs)
 
+    shift_labels = call.get("shift_labels")
+    read_valid_count = None
+    if options.skip_ignored:
+        # Counted before the decoder is queued, read after: the loss then skips ignored tokens
+        # without waiting for the forward to finish (see start_valid_token_count).
+        targets = shift_labels if shift_labels is not None else labels
+        ignore_index = call.get("ignore_index", options.ignore_index)
+        read_valid_count = start_valid_token_count(targets, ignore_index, shift=shift_labels is None)
+
     outputs = getattr(model, spec.decoder)(**decoder_kwargs)
     hidden = outputs.last_hidden_state if hasattr(outputs, "last_hidden_state") else outputs[0]
-    loss = fused_causal_lm_loss(model, spec, hidden, labels, call.get("shift_labels"), call, options)
+    num_valid_tokens = read_valid_count() if read_valid_count is not None else None
+    loss = fused_causal_lm_loss(model, spec, hidden, labels, shift_labels, call, options, num_valid_tokens)
 
     logits = None
     if want_logits:

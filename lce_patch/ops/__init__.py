@@ -5,6 +5,13 @@ from .linear_cross_entropy import (
     TokenOutputs,
     fused_linear_cross_entropy,
     fused_linear_log_probs,
+    start_valid_token_count,
 )
 
-__all__ = ["FusedLinearCrossEntropy", "TokenOutputs", "fused_linear_cross_entropy", "fused_linear_log_probs"]
+__all__ = [
+    "FusedLinearCrossEntropy",
+    "TokenOutputs",
+    "fused_linear_cross_entropy",
+    "fused_linear_log_probs",
+    "start_valid_token_count",
+]

@@ -47,8 +47,13 @@ def check_against_reference(
     hidden, weight, labels, b = make_inputs(bias=bias, batch=batch, **(size or {}))
     labels[labels == -100] = options.get("ignore_index", -100)
     reduction = options.get("reduction", "mean")
+    ref_options = {k: v for k, v in options.items() if k not in ("skip_ignored", "num_valid_tokens")}
     ref = naive_linear_cross_entropy(
-        hidden.requires_grad_(), weight.requires_grad_(), labels, bias=b.requires_grad_() if bias else None, **options
+        hidden.requires_grad_(),
+        weight.requires_grad_(),
+        labels,
+        bias=b.requires_grad_() if bias else None,
+        **ref_options,
     )
     upstream = torch.randn_like(ref) if reduction == "none" else torch.tensor(1.7, dtype=torch.float64)
     ref_inputs = [hidden, weight] + ([b] if bias else [])
@@ -88,6 +93,41 @@ OPTION_SETS = [
 @pytest.mark.parametrize("options", OPTION_SETS, ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()) or "default")
 def test_matches_float64_reference(backend, options):
     check_against_reference(options, backend=backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"skip_ignored": True},
+        {"skip_ignored": True, "reduction": "none", "softcap": 3.0},
+        {"skip_ignored": True, "num_items_in_batch": 41, "label_smoothing": 0.1, "z_loss": 1e-3},
+        {"num_valid_tokens": 29},  # make_inputs ignores every 5th of 37 rows: 29 remain
+        {"num_valid_tokens": 29, "reduction": "sum", "logit_scale": 0.5},
+    ],
+    ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()),
+)
+def test_skipping_ignored_rows_matches_float64_reference(backend, options):
+    check_against_reference(options, backend=backend, bias=True)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_skipping_ignored_rows_of_token_outputs(backend):
+    hidden, weight, labels, _ = make_inputs(batch=2, n=11, seed=3)
+    labels[:, :4] = -100  # a masked prompt
+    log_probs, entropy, is_top1 = naive_token_outputs(hidden.requires_grad_(), weight.requires_grad_(), labels)
+    up_lp, up_ent = torch.randn_like(log_probs), torch.randn_like(entropy)
+    ref_grads = torch.autograd.grad((log_probs * up_lp + entropy * up_ent).sum(), [hidden, weight])
+    h, w = leaf(hidden, torch.float32), leaf(weight, torch.float32)
+    out = fused_linear_log_probs(
+        h, w, labels, return_entropy=True, return_is_top1=True, backend=backend, chunk_size=4, skip_ignored=True
+    )
+    assert rel_err(out.log_probs, log_probs) < 1e-5 and rel_err(out.entropy, entropy) < 1e-5
+    assert torch.equal(out.is_top1, is_top1)
+    (out.log_probs * up_lp.float() + out.entropy * up_ent.float()).sum().backward()
+    for got, want in zip((h, w), ref_grads):
+        assert rel_err(got.grad, want) < 1e-5
+    assert not h.grad[:, :4].any()  # ignored rows get exact zeros
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -142,9 +182,9 @@ def test_bf16_loss_is_not_limited_by_the_rounding_of_the_logits(backend, softcap
 def test_all_ignored_gives_zero_and_zero_grads(backend):
     hidden, weight, labels, _ = make_inputs()
     labels.fill_(-100)
-    for reduction in ("mean", "sum", "none"):
+    for reduction, skip_ignored in (("mean", False), ("sum", False), ("none", False), ("mean", True), ("none", True)):
         h, w = leaf(hidden, torch.float32), leaf(weight, torch.float32)
-        loss = fused_linear_cross_entropy(h, w, labels, backend=backend, reduction=reduction)
+        loss = fused_linear_cross_entropy(h, w, labels, backend=backend, reduction=reduction, skip_ignored=skip_ignored)
         loss.sum().backward()
         assert torch.all(loss == 0) and torch.isfinite(loss).all()
         assert torch.all(h.grad == 0) and torch.all(w.grad == 0)
@@ -198,9 +238,9 @@ def test_frozen_weight_does_no_weight_gradient_work(backend, monkeypatch):
     seen = []
     original = chunked._GradAccumulator.__init__
 
-    def spy(self, hidden, weight, bias, needs_hidden, needs_weight, needs_bias):
+    def spy(self, hidden, weight, bias, needs_hidden, needs_weight, needs_bias, *args):
         seen.append(needs_weight)
-        original(self, hidden, weight, bias, needs_hidden, needs_weight, needs_bias)
+        original(self, hidden, weight, bias, needs_hidden, needs_weight, needs_bias, *args)
 
     monkeypatch.setattr(chunked._GradAccumulator, "__init__", spy)
     hidden, weight, labels, _ = make_inputs()
@@ -316,6 +356,10 @@ def test_is_top1_when_target_is_the_argmax(backend):
         (lambda a: a["labels"].__setitem__(4, 101), "outside"),
         (lambda a: a["labels"].__setitem__(4, -2), "outside"),
         (lambda a: a.update(weight=a["weight"].to("meta")), "one device"),
+        (lambda a: a.update(num_valid_tokens=28), "num_valid_tokens=28 but 29"),
+        (lambda a: a.update(num_valid_tokens=38), "exceeds the number of tokens"),
+        (lambda a: a.update(num_valid_tokens=-1), "non-negative Python int"),
+        (lambda a: a.update(num_valid_tokens=torch.tensor(29)), "non-negative Python int"),
     ],
 )
 def test_bad_input_gives_a_clear_error(mutate, message):

@@ -5,6 +5,7 @@ from .functional import (
     TokenOutputs,
     fused_linear_cross_entropy,
     fused_linear_log_probs,
+    start_valid_token_count,
 )
 from .naive import naive_linear_cross_entropy, naive_token_outputs
 
@@ -15,4 +16,5 @@ __all__ = [
     "fused_linear_log_probs",
     "naive_linear_cross_entropy",
     "naive_token_outputs",
+    "start_valid_token_count",
 ]

@@ -77,11 +77,17 @@ def _addmm_fp32(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
 
 
 class _GradAccumulator:
-    """dh rows, dW and dbias from chunk gradients ``G`` [C, V] (fp32 accumulation in each GEMM)."""
+    """dh rows, dW and dbias from chunk gradients ``G`` [C, V] (fp32 accumulation in each GEMM).
 
-    def __init__(self, hidden, weight, bias, needs_hidden, needs_weight, needs_bias):
+    With ``rows_selected`` only some rows of hidden are processed: dh starts at zero and each chunk's
+    rows are written to their places."""
+
+    def __init__(self, hidden, weight, bias, needs_hidden, needs_weight, needs_bias, rows_selected=False):
         self.weight = weight
-        self.dh = torch.empty(hidden.shape, dtype=hidden.dtype, device=hidden.device) if needs_hidden else None
+        self.dh = None
+        if needs_hidden:
+            make = torch.zeros if rows_selected else torch.empty
+            self.dh = make(hidden.shape, dtype=hidden.dtype, device=hidden.device)
         # fp16 lacks the range to hold a sum over many tokens: accumulate its dW in fp32.
         # bf16 and fp32 add each chunk's GEMM result into dW in place (one rounding per chunk).
         self.dw_fp32 = weight.dtype == torch.float16
@@ -90,9 +96,13 @@ class _GradAccumulator:
         self.db = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if needs_bias else None
         self._dw_written = False
 
-    def add(self, grad_chunk: torch.Tensor, hidden_chunk: torch.Tensor, start: int, stop: int) -> None:
+    def add(self, grad_chunk: torch.Tensor, hidden_chunk: torch.Tensor, rows: slice | torch.Tensor) -> None:
+        """``rows``: the chunk's rows of hidden, a slice or an index tensor."""
         if self.dh is not None:
-            torch.mm(grad_chunk, self.weight, out=self.dh[start:stop])
+            if isinstance(rows, slice):
+                torch.mm(grad_chunk, self.weight, out=self.dh[rows])
+            else:
+                self.dh.index_copy_(0, rows, grad_chunk @ self.weight)
         if self.dw is not None:
             if not self._dw_written:
                 self.dw.zero_() if self.dw_fp32 else torch.mm(grad_chunk.t(), hidden_chunk, out=self.dw)
@@ -112,12 +122,25 @@ class _GradAccumulator:
         return self.dh, dw, db
 
 
+def _scatter_rows(out: RowOutputs, row_index: torch.Tensor, total_rows: int) -> RowOutputs:
+    """Per-row outputs of the selected rows placed among ``total_rows`` zeros (the ignored rows' values)."""
+
+    def place(values):
+        if values is None:
+            return None
+        full = torch.zeros(total_rows, dtype=values.dtype, device=values.device)
+        return full.index_copy_(0, row_index, values)
+
+    return RowOutputs(*(place(t) for t in vars(out).values()))
+
+
 class LinearCrossEntropyFunction(torch.autograd.Function):
     """Chunked fused projection + cross-entropy; see the module docstring.
 
     Inputs: hidden [N, D], weight [V, D], bias [V] or None (all one float dtype), labels [N] int64,
     reduce_scale: fp32 0-d tensor for a scalar loss (the factor applied to the sum) or None for
-    per-token outputs. Outputs: loss (0-d, or [N] fp32), entropy [N] fp32 (or empty),
+    per-token outputs; row_index: int64 [M] rows to process (every other row is ignored: zero loss
+    and gradient), or None for all. Outputs: loss (0-d, or [N] fp32), entropy [N] fp32 (or empty),
     is_top1 [N] bool (or empty), mean_logit [N] fp32 (or empty).
     """
 
@@ -134,8 +157,11 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         use_triton: bool,
         needs_grad: tuple[bool, bool, bool],
         want: tuple[bool, bool, bool],
+        row_index: torch.Tensor | None = None,
     ):
-        num_rows = hidden.shape[0]
+        total_rows = hidden.shape[0]
+        num_rows = total_rows if row_index is None else row_index.shape[0]
+        row_labels = labels if row_index is None else labels.index_select(0, row_index)
         vocab_size = weight.shape[0]
         device = hidden.device
         want_entropy, want_top1, want_mean_logit = want
@@ -155,24 +181,33 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             mean_logit=fp32_rows() if want_mean_logit else None,
         )
         grads = (
-            _GradAccumulator(hidden, weight, bias, needs_hidden, needs_weight, needs_bias) if grad_in_forward else None
+            _GradAccumulator(hidden, weight, bias, needs_hidden, needs_weight, needs_bias, row_index is not None)
+            if grad_in_forward
+            else None
         )
         # The buffer holds logits rounded to the compute dtype; the loss reads the target logit once
         # more in fp32 so that rounding does not reach it (fp32 buffers need no second look).
-        target_raw = target_logits(hidden, weight, bias, labels, use_triton) if hidden.dtype != torch.float32 else None
+        target_raw = None
+        if hidden.dtype != torch.float32:
+            target_raw = target_logits(hidden, weight, bias, labels, use_triton)
+            if row_index is not None:
+                target_raw = target_raw.index_select(0, row_index)
         buffer = torch.empty(min(chunk_rows, max(num_rows, 1)), vocab_size, dtype=hidden.dtype, device=device)
         for start in range(0, num_rows, chunk_rows):
             stop = min(start + chunk_rows, num_rows)
             raw = buffer[: stop - start]
-            hidden_chunk = hidden[start:stop]
+            rows = slice(start, stop) if row_index is None else row_index[start:stop]
+            hidden_chunk = hidden[rows] if row_index is None else hidden.index_select(0, rows)
             _matmul_into(raw, hidden_chunk, weight, bias)
             chunk_out = RowOutputs(*(None if t is None else t[start:stop] for t in vars(out).values()))
             chunk_target = target_raw[start:stop] if target_raw is not None else None
             grad_scale = reduce_scale if grad_in_forward else None
-            chunk_stats(raw, labels[start:stop], transform, chunk_out, grad_scale, use_triton, chunk_target)
+            chunk_stats(raw, row_labels[start:stop], transform, chunk_out, grad_scale, use_triton, chunk_target)
             if grads is not None:
-                grads.add(raw, hidden_chunk, start, stop)
+                grads.add(raw, hidden_chunk, rows)
         del buffer
+        if row_index is not None and not scalar_loss:
+            out = _scatter_rows(out, row_index, total_rows)
 
         # Outputs that get no gradient (entropy logged as a metric, say) arrive as None, not as
         # zeros, so the backward can skip their terms.
@@ -182,6 +217,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         ctx.use_triton = use_triton
         ctx.scalar_loss = scalar_loss
         ctx.needs_grad = needs_grad
+        ctx.has_row_index = row_index is not None
         ctx.backward_done = False
         empty = out.loss.new_empty(0)
         entropy = out.entropy if want_entropy else empty
@@ -198,7 +234,9 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             return loss, entropy, is_top1, mean_logit
 
         if any_grad:
-            ctx.save_for_backward(hidden, weight, bias, labels, out.lse, out.entropy if want_entropy else out.lse)
+            ctx.save_for_backward(
+                hidden, weight, bias, labels, out.lse, out.entropy if want_entropy else out.lse, row_index
+            )
             ctx.has_entropy = want_entropy
         return out.loss, entropy, is_top1, mean_logit
 
@@ -217,30 +255,38 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             )
         ctx.backward_done = True
         if grad_loss is None:
-            return (None,) * 10
+            return (None,) * 11
         dh, dw, db = ctx.saved_tensors
         for grad in (dh, dw, db):
             if grad is not None:
                 scale_inplace(grad, grad_loss, ctx.use_triton)
-        return dh, dw, db, None, None, None, None, None, None, None
+        return dh, dw, db, None, None, None, None, None, None, None, None
 
     @staticmethod
     def _recompute_backward(ctx, grad_loss, grad_entropy):
-        hidden, weight, bias, labels, lse, entropy = ctx.saved_tensors
+        hidden, weight, bias, labels, lse, entropy, row_index = ctx.saved_tensors
         if not ctx.has_entropy:
             grad_entropy = None
-        num_rows, vocab_size = hidden.shape[0], weight.shape[0]
+        vocab_size = weight.shape[0]
         needs_hidden, needs_weight, needs_bias = ctx.needs_input_grad[:3]
-        grads = _GradAccumulator(hidden, weight, bias, needs_hidden, needs_weight, needs_bias)
+        grads = _GradAccumulator(hidden, weight, bias, needs_hidden, needs_weight, needs_bias, row_index is not None)
         grad_loss = grad_loss.float().contiguous() if grad_loss is not None else None
         grad_entropy = grad_entropy.float().contiguous() if grad_entropy is not None else None
+        if row_index is not None:  # only the selected rows have gradients
+            labels, lse, entropy = (t.index_select(0, row_index) for t in (labels, lse, entropy))
+            if grad_loss is not None:
+                grad_loss = grad_loss.index_select(0, row_index)
+            if grad_entropy is not None:
+                grad_entropy = grad_entropy.index_select(0, row_index)
+        num_rows = hidden.shape[0] if row_index is None else row_index.shape[0]
         if (grad_loss is not None or grad_entropy is not None) and num_rows > 0:
             chunk_rows = ctx.chunk_rows
             buffer = torch.empty(min(chunk_rows, num_rows), vocab_size, dtype=hidden.dtype, device=hidden.device)
             for start in range(0, num_rows, chunk_rows):
                 stop = min(start + chunk_rows, num_rows)
                 raw = buffer[: stop - start]
-                hidden_chunk = hidden[start:stop]
+                rows = slice(start, stop) if row_index is None else row_index[start:stop]
+                hidden_chunk = hidden[rows] if row_index is None else hidden.index_select(0, rows)
                 _matmul_into(raw, hidden_chunk, weight, bias)
                 chunk_grad(
                     raw,
@@ -252,8 +298,8 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
                     grad_entropy[start:stop] if grad_entropy is not None else None,
                     ctx.use_triton,
                 )
-                grads.add(raw, hidden_chunk, start, stop)
+                grads.add(raw, hidden_chunk, rows)
         elif grads.dh is not None:
             grads.dh.zero_()
         dh, dw, db = grads.results(weight.dtype, bias.dtype if bias is not None else None)
-        return dh, dw, db, None, None, None, None, None, None, None
+        return dh, dw, db, None, None, None, None, None, None, None, None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -93,6 +94,57 @@ def _check_labels(labels: torch.Tensor, vocab_size: int, ignore_index: int) -> N
         )
 
 
+def _selected_rows(labels: torch.Tensor, ignore_index: int, num_valid_tokens: int | None) -> torch.Tensor | None:
+    """Indices (int64, ascending) of the rows whose label is not ignored, or None when every row counts.
+
+    The GEMMs are sized on the host, so the count must be known there: ``num_valid_tokens`` when the
+    caller has it (checked on the device, no sync), else one host sync here.
+    """
+    valid = labels != ignore_index
+    if num_valid_tokens is None:
+        num_valid = int(valid.sum())  # the one host sync of skip_ignored=True
+    else:
+        num_valid = num_valid_tokens
+        if labels.device.type == "cpu":
+            if int(valid.sum()) != num_valid:
+                _fail(f"num_valid_tokens={num_valid} but {int(valid.sum())} labels are not ignore_index")
+        else:
+            torch._assert_async(
+                valid.sum() == num_valid,
+                "fused_linear_cross_entropy: num_valid_tokens differs from the number of labels that are not "
+                "ignore_index",
+            )
+    if num_valid == labels.shape[0]:
+        return None
+    # A stable sort puts the valid rows first, in order; no nonzero() (it would sync).
+    return torch.argsort((~valid).to(torch.uint8), stable=True)[:num_valid]
+
+
+def start_valid_token_count(labels: torch.Tensor, ignore_index: int = -100, shift: bool = False) -> Callable[[], int]:
+    """Start counting the labels that are not ``ignore_index``; the returned function gives the count.
+
+    For ``num_valid_tokens`` without a pipeline stall: call this before the model's decoder runs,
+    and the returned function after. On CUDA the count travels to pinned host memory behind an
+    event recorded right after it, so reading it waits for the GPU to reach the start of the
+    forward (long done by then), not for the forward to finish. ``shift``: count labels[..., 1:].
+    """
+    valid = (labels[..., 1:] if shift else labels) != ignore_index
+    count = valid.sum()
+    if count.device.type != "cuda":
+        value = int(count)
+        return lambda: value
+    host = torch.empty((), dtype=count.dtype, pin_memory=True)
+    host.copy_(count, non_blocking=True)
+    ready = torch.cuda.Event()
+    ready.record()
+
+    def read() -> int:
+        ready.synchronize()
+        return int(host)
+
+    return read
+
+
 def _shift_labels(labels: torch.Tensor, ignore_index: int) -> torch.Tensor:
     """Target of position t is labels[..., t + 1]; the last position of each row is ignored."""
     shifted = torch.full_like(labels, ignore_index)
@@ -133,6 +185,8 @@ def _run(
     backend,
     chunk_size,
     want,
+    skip_ignored=False,
+    num_valid_tokens=None,
 ):
     _check_inputs(hidden, weight, bias, labels)
     if softcap is not None and not softcap > 0:
@@ -145,6 +199,10 @@ def _run(
         _fail(f"temperature must be > 0, got {temperature}")
     if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
         _fail(f"chunk_size must be a positive int (tokens per chunk), got {chunk_size!r}")
+    if num_valid_tokens is not None and (
+        isinstance(num_valid_tokens, bool) or not isinstance(num_valid_tokens, int) or num_valid_tokens < 0
+    ):
+        _fail(f"num_valid_tokens must be a non-negative Python int, got {num_valid_tokens!r}")
     use_triton = resolve_backend(backend, hidden.device)
     if use_triton and hidden.dtype == torch.float64:
         _fail("the triton backend supports float32, float16 and bfloat16; use backend='torch' for float64")
@@ -158,6 +216,11 @@ def _run(
     hidden_2d = hidden.reshape(-1, hidden.shape[-1])
     vocab_size = weight.shape[0]
     _check_labels(labels, vocab_size, ignore_index)
+    if num_valid_tokens is not None and num_valid_tokens > labels.shape[0]:
+        _fail(f"num_valid_tokens={num_valid_tokens} exceeds the number of tokens ({labels.shape[0]})")
+    row_index = None
+    if skip_ignored or num_valid_tokens is not None:
+        row_index = _selected_rows(labels, ignore_index, num_valid_tokens)
 
     reduce_scale = None
     if reduce_scale_kind == "mean":
@@ -190,7 +253,7 @@ def _run(
     )
     with torch.autocast(hidden.device.type, enabled=False):
         loss, entropy, is_top1, _mean_logit = LinearCrossEntropyFunction.apply(
-            hidden_2d, weight, bias, labels, reduce_scale, transform, rows, use_triton, needs_grad, want
+            hidden_2d, weight, bias, labels, reduce_scale, transform, rows, use_triton, needs_grad, want, row_index
         )
     if reduce_scale is None:
         loss = loss.view(out_shape)
@@ -214,6 +277,8 @@ def fused_linear_cross_entropy(
     backend: str = "auto",
     chunk_size: int | None = None,
     deterministic: bool = False,
+    skip_ignored: bool = False,
+    num_valid_tokens: int | None = None,
 ) -> torch.Tensor:
     """Cross-entropy of ``hidden @ weight.T + bias`` against ``labels`` without materializing the logits.
 
@@ -237,6 +302,12 @@ def fused_linear_cross_entropy(
             path (GEMM efficiency), and at least N/16 tokens in bf16 (bounds dW's roundings).
         deterministic: accepted for clarity; both backends are deterministic already (no atomics,
             fixed reduction order), so it costs nothing.
+        skip_ignored: run the matmuls on the non-ignored tokens only (gathered chunk by chunk), so
+            ignored tokens cost nothing: a prompt-masked SFT batch that ignores 40% of its tokens
+            does 40% less work. Costs one host sync to count them; give ``num_valid_tokens`` instead
+            to avoid it. Same result up to the order of floating-point sums.
+        num_valid_tokens: the number of labels that are not ``ignore_index`` (after ``shift``), when
+            the caller knows it; implies ``skip_ignored`` without the sync. Checked on the device.
 
     Returns:
         fp32 0-d loss (or per-token losses for reduction="none"). A batch whose labels are all ignored
@@ -268,6 +339,8 @@ def fused_linear_cross_entropy(
         backend=backend,
         chunk_size=chunk_size,
         want=(False, False, False),
+        skip_ignored=skip_ignored,
+        num_valid_tokens=num_valid_tokens,
     )
     return loss
 
@@ -287,6 +360,8 @@ def fused_linear_log_probs(
     return_is_top1: bool = False,
     backend: str = "auto",
     chunk_size: int | None = None,
+    skip_ignored: bool = False,
+    num_valid_tokens: int | None = None,
 ) -> TokenOutputs:
     """Per-token target log-probabilities (and optionally entropy, argmax match) without the logits.
 
@@ -294,6 +369,8 @@ def fused_linear_log_probs(
     ``entropy`` carry gradients for any upstream gradient (the backward recomputes each chunk's
     logits: 8*N*V*D FLOPs in all); use :func:`fused_linear_cross_entropy` for a scalar loss, which
     computes its gradient during the forward (6*N*V*D).
+
+    ``skip_ignored`` / ``num_valid_tokens``: as in :func:`fused_linear_cross_entropy`.
 
     Shapes: hidden [N, D] or [B, T, D]; labels [N] or [B, T]; every output is shaped like labels.
     """
@@ -314,6 +391,8 @@ def fused_linear_log_probs(
         backend=backend,
         chunk_size=chunk_size,
         want=(return_entropy, return_is_top1, False),
+        skip_ignored=skip_ignored,
+        num_valid_tokens=num_valid_tokens,
     )
     shape = label_mask.shape
     return TokenOutputs(
@@ -343,6 +422,7 @@ class FusedLinearCrossEntropy(torch.nn.Module):
         backend: str = "auto",
         chunk_size: int | None = None,
         deterministic: bool = False,
+        skip_ignored: bool = False,
     ) -> None:
         super().__init__()
         if reduction not in _REDUCTIONS:
@@ -360,6 +440,7 @@ class FusedLinearCrossEntropy(torch.nn.Module):
             backend=backend,
             chunk_size=chunk_size,
             deterministic=deterministic,
+            skip_ignored=skip_ignored,
         )
 
     def forward(
