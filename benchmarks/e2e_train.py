@@ -78,7 +78,7 @@ class _Timer:
         self.start = self.stop = None
 
 
-def run(setup: str, model_name: str, seq_len: int, steps: int, out_dir: str) -> dict:
+def run(setup: str, model_name: str, seq_len: int, steps: int, out_dir: str, prompt_fraction: float = 0.0) -> dict:
     import torch
     from datasets import Dataset
 
@@ -90,6 +90,13 @@ def run(setup: str, model_name: str, seq_len: int, steps: int, out_dir: str) -> 
     generator = torch.Generator().manual_seed(0)
     rows = [{"input_ids": torch.randint(0, vocab, (seq_len,), generator=generator).tolist()} for _ in range(steps)]
     dataset = Dataset.from_list(rows)
+    prompt_len = int(prompt_fraction * seq_len)
+
+    def make_labels(ids: torch.Tensor) -> torch.Tensor:
+        labels = ids.clone()
+        labels[:, :prompt_len] = -100  # a masked prompt, as in completion-only SFT
+        return labels
+
     timer = _Timer()
     callbacks = [timer.callback] + ([FusedLCECallback()] if setup.endswith("lce_patch") else [])
     common = dict(
@@ -109,7 +116,7 @@ def run(setup: str, model_name: str, seq_len: int, steps: int, out_dir: str) -> 
 
         def collate(batch):
             ids = torch.tensor([b["input_ids"] for b in batch])
-            return {"input_ids": ids, "labels": ids.clone()}
+            return {"input_ids": ids, "labels": make_labels(ids)}
 
         trainer = Trainer(
             model=model,
@@ -137,7 +144,7 @@ def run(setup: str, model_name: str, seq_len: int, steps: int, out_dir: str) -> 
             data_collator=lambda b: {
                 "input_ids": torch.tensor([x["input_ids"] for x in b]),
                 "attention_mask": torch.ones(len(b), len(b[0]["input_ids"]), dtype=torch.long),
-                "labels": torch.tensor([x["input_ids"] for x in b]),
+                "labels": make_labels(torch.tensor([x["input_ids"] for x in b])),
             },
         )
     trainer.train()
@@ -146,6 +153,7 @@ def run(setup: str, model_name: str, seq_len: int, steps: int, out_dir: str) -> 
         "setup": setup,
         "model": model_name,
         "seq_len": seq_len,
+        "prompt_fraction": prompt_fraction,
         "steps": steps,
         "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
         "tokens_per_s": seq_len * (steps - 1) / (timer.stop - timer.start),
@@ -163,6 +171,9 @@ def main() -> None:
     parser.add_argument("--setups", default="trainer,trainer+lce_patch,sft-trl-head,sft+lce_patch")
     parser.add_argument("--seq-len", type=int, default=4096)
     parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument(
+        "--prompt-fraction", type=float, default=0.0, help="leading fraction of each sequence labelled -100"
+    )
     parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "e2e.json"))
     args = parser.parse_args()
     import torch
@@ -171,7 +182,7 @@ def main() -> None:
     for model_name in args.models.split(","):
         for setup in args.setups.split(","):
             try:
-                results.append(run(setup, model_name, args.seq_len, args.steps, "/tmp/e2e"))
+                results.append(run(setup, model_name, args.seq_len, args.steps, "/tmp/e2e", args.prompt_fraction))
             except Exception as error:  # report and go on: one failing setup must not hide the others
                 results.append({"setup": setup, "model": model_name, "error": repr(error)[:300]})
                 torch.cuda.empty_cache()
