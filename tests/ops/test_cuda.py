@@ -39,6 +39,15 @@ def test_triton_half_precision(dtype, tol, options):
     check_against_reference(options, backend="triton", dtype=dtype, tol=tol, device=CUDA, size=SIZE, chunk_size=128)
 
 
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize(
+    "options", [{"skip_ignored": True}, {"num_valid_tokens": 240, "softcap": 30.0, "reduction": "none"}]
+)
+def test_triton_skipping_ignored_rows(dtype, tol, options):
+    # make_inputs ignores every 5th of the 300 rows: 240 remain.
+    check_against_reference(options, backend="triton", dtype=dtype, tol=tol, device=CUDA, size=SIZE, chunk_size=128)
+
+
 def test_no_host_sync_on_the_cuda_path():
     hidden = torch.randn(512, 64, device=CUDA, dtype=torch.bfloat16, requires_grad=True)
     weight = torch.randn(1000, 64, device=CUDA, dtype=torch.bfloat16, requires_grad=True)
@@ -46,6 +55,7 @@ def test_no_host_sync_on_the_cuda_path():
     labels[::3] = -100
     num_items = torch.tensor(300, device=CUDA)
     fused_linear_cross_entropy(hidden, weight, labels).backward()  # compile kernels first
+    count = int((labels != -100).sum())  # the caller's count of valid labels, known before the check
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
@@ -53,6 +63,7 @@ def test_no_host_sync_on_the_cuda_path():
         loss.backward()
         per_token = fused_linear_cross_entropy(hidden, weight, labels, reduction="none")
         per_token.sum().backward()
+        fused_linear_cross_entropy(hidden, weight, labels, num_valid_tokens=count).backward()
     finally:
         torch.cuda.set_sync_debug_mode("default")
 
