@@ -209,6 +209,32 @@ def test_loss_options_reach_the_op():
     assert_close(model(**batch).loss, expected)
 
 
+@pytest.mark.parametrize("case", ["ignored_labels", "shift_labels"])
+def test_ignored_tokens_are_counted_for_the_op(case, monkeypatch):
+    # The patched forward counts the valid targets before the decoder runs and hands the count to the
+    # op (which then skips ignored rows without a host sync); skip_ignored=False hands nothing.
+    from lce_patch.models import forward as forward_module
+
+    seen = []
+    real_op = forward_module.fused_linear_cross_entropy
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs.get("num_valid_tokens"))
+        return real_op(*args, **kwargs)
+
+    monkeypatch.setattr(forward_module, "fused_linear_cross_entropy", spy)
+    model, reference = pair("llama")
+    batch = _batch(case, torch.Generator().manual_seed(4))
+    targets = batch["shift_labels"] if case == "shift_labels" else batch["labels"][:, 1:]
+    expected_count = int((targets != -100).sum())
+    losses = []
+    for skip_ignored in (True, False):
+        lce_patch.apply_fused_lce(model, backend="torch", skip_ignored=skip_ignored)
+        losses.append(model(**batch).loss)
+    assert seen == [expected_count, None]
+    assert_close(losses[0], losses[1], what="loss with and without skipping")
+
+
 def test_other_kwargs_reach_the_decoder():
     model = tiny_model("llama")
     lce_patch.apply_fused_lce(model)

@@ -1,0 +1,48 @@
+"""The benchmark scripts run: each answers --help, and the two with a CPU mode run a tiny case.
+
+Their real runs need a GPU (see benchmarks/RESULTS.md); this keeps them from rotting between runs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+SCRIPTS = ["bench_lce.py", "gpu_check.py", "e2e_train.py", "convergence.py", "multi_gpu_check.py", "sanitize.py"]
+
+
+def _run(args: list[str], tmp_path: Path, timeout: int = 300) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(BENCHMARKS.parent), "OUT": str(tmp_path)}
+    env.pop("TRITON_INTERPRET", None)  # CPU runs take the torch backend, as a user's would
+    return subprocess.run(
+        [sys.executable, *args], cwd=BENCHMARKS, env=env, capture_output=True, text=True, timeout=timeout
+    )
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_help(script, tmp_path):
+    result = _run([script, "--help"], tmp_path, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "usage:" in result.stdout
+
+
+def test_multi_gpu_check_single_process(tmp_path):
+    # One process: patched vs unpatched on the whole batch, the same checks the 2-GPU run makes.
+    result = _run(["multi_gpu_check.py", "--steps", "2", "--out", str(tmp_path)], tmp_path)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
+    assert "FAIL" not in result.stdout
+    assert list(tmp_path.glob("multi_gpu_check_*.json"))
+
+
+def test_convergence_tiny_on_cpu(tmp_path):
+    result = _run(["convergence.py", "--device", "cpu", "--tiny", "--steps", "3", "--out", str(tmp_path)], tmp_path)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
+    summary = json.loads((tmp_path / "convergence.json").read_text())
+    assert summary  # per-run losses and the verdicts
+    assert "patched within spread: yes" in result.stdout
