@@ -24,6 +24,7 @@ CASES = [
     (129, 64, 2053, 128, {"label_smoothing": 0.1, "z_loss": 1e-4}),
     (64, 33, 32769, None, {"logit_scale": 0.25, "shift": True}),
     (5, 8, 3, None, {}),
+    (131, 40, 5003, 32, {"skip_ignored": True, "softcap": 20.0}),  # gathered rows, scattered dh
 ]
 
 
@@ -55,6 +56,7 @@ def main() -> None:
                 labels,
                 bias=bias,
                 softcap=options.get("softcap"),
+                skip_ignored=options.get("skip_ignored", False),
                 return_entropy=True,
                 return_is_top1=True,
                 backend="triton",
