@@ -58,10 +58,12 @@ class FusedLCECallback(TrainerCallback):
         if "_lce_patch_options" not in vars(unwrap_causal_lm(model)):  # an instance patch, not only a class one
             apply_fused_lce(model, **self.options)
 
-    def install_trainer_heads(self, model: torch.nn.Module | None) -> bool:
+    def install_trainer_heads(self, model: torch.nn.Module | None, args: Any = None) -> bool:
         """Hook for trainers that install their own LM head after ``__init__`` (TRL >= 1.15 SFTTrainer).
 
-        Returns whether such a head was found (and now runs through lce_patch's op).
+        Returns whether such a head was found (and now runs through lce_patch's op). With SFT's plain
+        NLL loss (``loss_type="nll"``, TRL's default) the op precomputes the gradient of that loss in
+        the forward (see ``fused_linear_log_probs(precompute_grad=True)``).
         """
         if model is None:
             return False
@@ -69,7 +71,8 @@ class FusedLCECallback(TrainerCallback):
             from .trl import maybe_install_trl_head
         except ImportError:
             return False
-        return maybe_install_trl_head(model, dict(self.options))
+        plain_nll = getattr(args, "loss_type", None) == "nll"
+        return maybe_install_trl_head(model, dict(self.options), precompute_grad=plain_nll)
 
     def on_init_end(self, args, state, control, model=None, **kwargs):
         self.check_args(args)
@@ -79,5 +82,5 @@ class FusedLCECallback(TrainerCallback):
         self.check_args(args)
         # TRL's head first: patching its forward from outside (a callback added after __init__)
         # would replace the head that SFTTrainer.compute_loss calls with fused_lm_head=True.
-        if not self.install_trainer_heads(model):
+        if not self.install_trainer_heads(model, args):
             self.patch_model(model)  # a model built by model_init at train() was not there at on_init_end

@@ -293,7 +293,9 @@ def _same(a: float | None, b: float | None) -> bool:
     return abs(float(a) - float(b)) <= 1e-6 * max(1.0, abs(float(a)))
 
 
-def _make_forward(owner: torch.nn.Module, protocol: _Protocol, options: dict[str, Any]) -> Callable[..., Any]:
+def _make_forward(
+    owner: torch.nn.Module, protocol: _Protocol, options: dict[str, Any], precompute_grad: bool = False
+) -> Callable[..., Any]:
     head = get_head_config(owner)
     softcap = head.softcap
     logit_scale = 1.0 if head.logit_scale is None else float(head.logit_scale)
@@ -340,6 +342,7 @@ def _make_forward(owner: torch.nn.Module, protocol: _Protocol, options: dict[str
                 return_entropy=want_entropy,
                 return_is_top1=want_top1,
                 num_valid_tokens=num_valid_tokens,
+                precompute_grad=precompute_grad,
                 **op_kwargs,
             )
 
@@ -480,7 +483,9 @@ def _set_forward(owner: torch.nn.Module, new_top: Any, old_last: Any, new_last: 
         owner._original_forward = new_last
 
 
-def maybe_install_trl_head(model: torch.nn.Module, options: dict[str, Any] | None = None) -> bool:
+def maybe_install_trl_head(
+    model: torch.nn.Module, options: dict[str, Any] | None = None, precompute_grad: bool = False
+) -> bool:
     """Serve TRL's fused LM head with lce_patch's op, if TRL installed one on ``model``.
 
     Looks at ``model`` and at the causal LM under a PEFT wrapper. When TRL's ``_fused_forward`` (TRL >= 1.15) is that
@@ -491,8 +496,10 @@ def maybe_install_trl_head(model: torch.nn.Module, options: dict[str, Any] | Non
 
     Args:
         model: the trainer's model (a ``PreTrainedModel``, or a PEFT model around one).
-        options: ``apply_fused_lce`` options; ``backend`` and ``chunk_size`` reach the op. ``label_smoothing``,
-            ``z_loss`` and ``ignore_index`` must be neutral: TRL's loss is the plain NLL.
+        options: ``apply_fused_lce`` options; ``backend``, ``chunk_size`` and ``skip_ignored`` reach the op.
+            ``label_smoothing``, ``z_loss`` and ``ignore_index`` must be neutral: TRL's loss is the plain NLL.
+        precompute_grad: the trainer reduces ``log_probs`` with one weight per token (SFT's ``loss_type="nll"``):
+            compute that gradient in the forward (see :func:`lce_patch.fused_linear_log_probs`).
 
     Returns:
         True if TRL's head is (now) served by lce_patch, False if TRL has no fused head on this model.
@@ -512,7 +519,7 @@ def maybe_install_trl_head(model: torch.nn.Module, options: dict[str, Any] | Non
         if _is_ours(_target(trl_node)):
             continue
         protocol = _read_protocol(_target(trl_node))
-        ours = _make_forward(owner, protocol, options)
+        ours = _make_forward(owner, protocol, options, precompute_grad)
         record = _Install(protocol, trl_node=trl_node, previous_forward=path[0])
         setattr(ours, _RECORD_ATTR, record)
         new_top = _rebuilt(path, ours)

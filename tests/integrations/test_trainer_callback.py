@@ -177,6 +177,6 @@ def test_bad_option_fails_at_construction():
 
 def test_trl_hook_is_called_at_train_begin(tmp_path, monkeypatch):
     seen = []
-    monkeypatch.setattr(FusedLCECallback, "install_trainer_heads", lambda self, model: seen.append(model))
+    monkeypatch.setattr(FusedLCECallback, "install_trainer_heads", lambda self, model, args=None: seen.append(model))
     trainer, _, _ = _train(tmp_path, [FusedLCECallback()])
     assert seen == [trainer.model]

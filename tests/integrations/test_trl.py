@@ -473,6 +473,33 @@ def test_sft_trainer_callback_matches_trl_head(tmp_path, kind):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4, msg=lambda m, name=name: f"{name}: {m}")
 
 
+@pytest.mark.parametrize("loss_type", ["nll", "dft"])
+def test_sft_trainer_gradient_precompute_and_its_fallback(tmp_path, loss_type, monkeypatch):
+    # With loss_type="nll" the op's forward precomputes the gradient (no recompute in backward); "dft"
+    # weights each token differently, so the backward recomputes. Both must train like TRL's head.
+    from lce_patch.ops.linear_cross_entropy import chunked
+
+    backward_projections = []
+    real_backward = chunked.LinearCrossEntropyFunction._recompute_backward
+    real_matmul = chunked._matmul_into
+
+    def counting_backward(ctx, *args):
+        calls = []
+        monkeypatch.setattr(chunked, "_matmul_into", lambda *a: calls.append(1) or real_matmul(*a))
+        try:
+            return real_backward(ctx, *args)
+        finally:
+            monkeypatch.setattr(chunked, "_matmul_into", real_matmul)
+            backward_projections.append(len(calls))
+
+    monkeypatch.setattr(chunked.LinearCrossEntropyFunction, "_recompute_backward", staticmethod(counting_backward))
+    _, theirs, _ = train_sft(tmp_path / "trl", loss_type=loss_type)
+    _, ours, _ = train_sft(tmp_path / "ours", callbacks=[_callback()], loss_type=loss_type)
+    assert_same_logs(theirs, ours, rtol=1e-4)
+    assert len(backward_projections) == 3  # one backward per training step
+    assert all((count > 0) == (loss_type == "dft") for count in backward_projections), backward_projections
+
+
 def test_sft_trainer_peft_lora(tmp_path):
     peft = pytest.importorskip("peft")
     lora = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")

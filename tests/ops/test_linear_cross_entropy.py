@@ -323,6 +323,40 @@ def test_token_outputs_and_their_gradients(backend, options):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("skip_ignored", [False, True])
+@pytest.mark.parametrize("upstream", ["mean", "weighted"])
+def test_precomputed_token_gradients(backend, skip_ignored, upstream, monkeypatch):
+    # precompute_grad: a mean of log_probs is served from the forward's gradients (no recompute GEMMs);
+    # any other upstream gradient falls back to the recompute. Both must equal the reference, and a
+    # second backward (retain_graph) too.
+    from lce_patch.ops.linear_cross_entropy import chunked
+
+    projections = []
+    real_matmul = chunked._matmul_into
+    monkeypatch.setattr(chunked, "_matmul_into", lambda *a: projections.append(1) or real_matmul(*a))
+    hidden, weight, labels, b = make_inputs(bias=True, batch=2, n=11, seed=5)
+    labels[:, :3] = -100
+    log_probs, _, _ = naive_token_outputs(hidden.requires_grad_(), weight.requires_grad_(), labels, bias=b)
+    weights = torch.ones_like(log_probs) if upstream == "mean" else torch.rand(log_probs.shape, dtype=torch.float64)
+    ref_loss = -(log_probs * weights).sum() / (labels != -100).sum()
+    ref_grads = torch.autograd.grad(ref_loss, [hidden, weight])
+
+    h, w = leaf(hidden, torch.float32), leaf(weight, torch.float32)
+    out = fused_linear_log_probs(
+        h, w, labels, bias=leaf(b, torch.float32, requires_grad=False), return_entropy=True, backend=backend,
+        chunk_size=4, skip_ignored=skip_ignored, precompute_grad=True,
+    )  # fmt: skip
+    forward_projections = len(projections)
+    loss = -(out.log_probs * weights.float()).sum() / out.label_mask.sum()
+    for attempt in range(2):
+        grads = torch.autograd.grad(loss, [h, w], retain_graph=True)
+        for got, want in zip(grads, ref_grads):
+            assert rel_err(got, want) < 1e-5, (attempt, rel_err(got, want))
+        recomputed = len(projections) > forward_projections
+        assert recomputed == (upstream == "weighted" or attempt == 1)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_is_top1_when_target_is_the_argmax(backend):
     hidden, weight, labels, _ = make_inputs(ignore_every=0)
     logits = hidden @ weight.T

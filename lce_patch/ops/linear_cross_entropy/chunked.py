@@ -134,6 +134,35 @@ def _scatter_rows(out: RowOutputs, row_index: torch.Tensor, total_rows: int) -> 
     return RowOutputs(*(place(t) for t in vars(out).values()))
 
 
+def _uniform_factor(
+    grad_loss: torch.Tensor,
+    labels: torch.Tensor,
+    row_index: torch.Tensor | None,
+    ignore_index: int,
+    precompute_scale: torch.Tensor,
+) -> torch.Tensor | None:
+    """``g / precompute_scale`` (0-d) when every non-ignored row got the same upstream gradient ``g``, else None.
+
+    One host sync: whether the precomputed gradients apply decides which kernels to launch.
+    """
+    grad_loss = grad_loss.reshape(-1)
+    valid_grads = grad_loss.index_select(0, row_index) if row_index is not None else grad_loss[labels != ignore_index]
+    if valid_grads.numel() == 0:
+        return torch.zeros((), dtype=torch.float32, device=grad_loss.device)
+    if not bool((valid_grads == valid_grads[0]).all()):
+        return None
+    return valid_grads[0].float() / precompute_scale
+
+
+def _rescaled(grad: torch.Tensor | None, factor: torch.Tensor, use_triton: bool) -> torch.Tensor | None:
+    if grad is None:
+        return None
+    if use_triton:  # in place, free when the factor is exactly 1; the kernel leaves autograd's version alone
+        scale_inplace(grad, factor, True)
+        return grad
+    return grad * factor  # a saved tensor scaled in place would fail a second backward's version check
+
+
 class LinearCrossEntropyFunction(torch.autograd.Function):
     """Chunked fused projection + cross-entropy; see the module docstring.
 
@@ -158,6 +187,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         needs_grad: tuple[bool, bool, bool],
         want: tuple[bool, bool, bool],
         row_index: torch.Tensor | None = None,
+        precompute_grad: bool = False,
     ):
         total_rows = hidden.shape[0]
         num_rows = total_rows if row_index is None else row_index.shape[0]
@@ -168,7 +198,13 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         needs_hidden, needs_weight, needs_bias = needs_grad
         any_grad = needs_hidden or needs_weight or needs_bias
         scalar_loss = reduce_scale is not None
-        grad_in_forward = scalar_loss and any_grad
+        # Per-token outputs with precompute_grad: the gradient of sum(loss) / n_valid is computed now
+        # (6*N*V*D FLOPs), and the backward uses it when the upstream gradient turns out uniform.
+        precompute = precompute_grad and any_grad and not scalar_loss
+        grad_scale = reduce_scale
+        if precompute:
+            grad_scale = 1.0 / (row_labels != transform.ignore_index).sum().clamp(min=1).float()
+        grad_in_forward = (scalar_loss and any_grad) or precompute
 
         def fp32_rows():
             return torch.empty(num_rows, dtype=torch.float32, device=device)
@@ -201,8 +237,15 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             _matmul_into(raw, hidden_chunk, weight, bias)
             chunk_out = RowOutputs(*(None if t is None else t[start:stop] for t in vars(out).values()))
             chunk_target = target_raw[start:stop] if target_raw is not None else None
-            grad_scale = reduce_scale if grad_in_forward else None
-            chunk_stats(raw, row_labels[start:stop], transform, chunk_out, grad_scale, use_triton, chunk_target)
+            chunk_stats(
+                raw,
+                row_labels[start:stop],
+                transform,
+                chunk_out,
+                grad_scale if grad_in_forward else None,
+                use_triton,
+                chunk_target,
+            )
             if grads is not None:
                 grads.add(raw, hidden_chunk, rows)
         del buffer
@@ -234,10 +277,14 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             return loss, entropy, is_top1, mean_logit
 
         if any_grad:
+            precomputed = (None, None, None, None)
+            if precompute:
+                precomputed = (*grads.results(weight.dtype, bias.dtype if bias is not None else None), grad_scale)
             ctx.save_for_backward(
-                hidden, weight, bias, labels, out.lse, out.entropy if want_entropy else out.lse, row_index
+                hidden, weight, bias, labels, out.lse, out.entropy if want_entropy else out.lse, row_index, *precomputed
             )
             ctx.has_entropy = want_entropy
+            ctx.precomputed = precompute
         return out.loss, entropy, is_top1, mean_logit
 
     @staticmethod
@@ -255,18 +302,23 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             )
         ctx.backward_done = True
         if grad_loss is None:
-            return (None,) * 11
+            return (None,) * 12
         dh, dw, db = ctx.saved_tensors
         for grad in (dh, dw, db):
             if grad is not None:
                 scale_inplace(grad, grad_loss, ctx.use_triton)
-        return dh, dw, db, None, None, None, None, None, None, None, None
+        return dh, dw, db, *(None,) * 9
 
     @staticmethod
     def _recompute_backward(ctx, grad_loss, grad_entropy):
-        hidden, weight, bias, labels, lse, entropy, row_index = ctx.saved_tensors
+        hidden, weight, bias, labels, lse, entropy, row_index, *precomputed = ctx.saved_tensors
         if not ctx.has_entropy:
             grad_entropy = None
+        if ctx.precomputed and grad_entropy is None and grad_loss is not None:
+            ctx.precomputed = False  # scaled in place below: a second backward recomputes instead
+            factor = _uniform_factor(grad_loss, labels, row_index, ctx.transform.ignore_index, precomputed[3])
+            if factor is not None:
+                return (*(_rescaled(grad, factor, ctx.use_triton) for grad in precomputed[:3]), *(None,) * 9)
         vocab_size = weight.shape[0]
         needs_hidden, needs_weight, needs_bias = ctx.needs_input_grad[:3]
         grads = _GradAccumulator(hidden, weight, bias, needs_hidden, needs_weight, needs_bias, row_index is not None)
@@ -302,4 +354,4 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         elif grads.dh is not None:
             grads.dh.zero_()
         dh, dw, db = grads.results(weight.dtype, bias.dtype if bias is not None else None)
-        return dh, dw, db, None, None, None, None, None, None, None, None
+        return dh, dw, db, *(None,) * 9

@@ -187,6 +187,7 @@ def _run(
     want,
     skip_ignored=False,
     num_valid_tokens=None,
+    precompute_grad=False,
 ):
     _check_inputs(hidden, weight, bias, labels)
     if softcap is not None and not softcap > 0:
@@ -253,7 +254,18 @@ def _run(
     )
     with torch.autocast(hidden.device.type, enabled=False):
         loss, entropy, is_top1, _mean_logit = LinearCrossEntropyFunction.apply(
-            hidden_2d, weight, bias, labels, reduce_scale, transform, rows, use_triton, needs_grad, want, row_index
+            hidden_2d,
+            weight,
+            bias,
+            labels,
+            reduce_scale,
+            transform,
+            rows,
+            use_triton,
+            needs_grad,
+            want,
+            row_index,
+            precompute_grad,
         )
     if reduce_scale is None:
         loss = loss.view(out_shape)
@@ -362,6 +374,7 @@ def fused_linear_log_probs(
     chunk_size: int | None = None,
     skip_ignored: bool = False,
     num_valid_tokens: int | None = None,
+    precompute_grad: bool = False,
 ) -> TokenOutputs:
     """Per-token target log-probabilities (and optionally entropy, argmax match) without the logits.
 
@@ -371,6 +384,12 @@ def fused_linear_log_probs(
     computes its gradient during the forward (6*N*V*D).
 
     ``skip_ignored`` / ``num_valid_tokens``: as in :func:`fused_linear_cross_entropy`.
+
+    ``precompute_grad=True`` is for callers that will almost always reduce ``log_probs`` with the same
+    weight on every non-ignored token (an NLL mean or sum, as TRL's SFT loss does) and use ``entropy``
+    without gradient: the forward then also computes the gradients of that reduction (6*N*V*D FLOPs in
+    all, like the scalar loss), and the backward checks the upstream gradient (one host sync) and only
+    rescales them. Any other upstream gradient falls back to the recompute, correct but at 14*N*V*D.
 
     Shapes: hidden [N, D] or [B, T, D]; labels [N] or [B, T]; every output is shaped like labels.
     """
@@ -393,6 +412,7 @@ def fused_linear_log_probs(
         want=(return_entropy, return_is_top1, False),
         skip_ignored=skip_ignored,
         num_valid_tokens=num_valid_tokens,
+        precompute_grad=precompute_grad,
     )
     shape = label_mask.shape
     return TokenOutputs(
