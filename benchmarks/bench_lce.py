@@ -19,7 +19,8 @@ Methods: lce_patch (backend triton, default chunking; ``--chunk-sizes`` adds a s
 patched model does by default without the sync), unfused (F.linear,
 float, F.cross_entropy; softcap in bf16 as Hugging Face does), compile (torch.compile of unfused), liger
 (LigerFusedLinearCrossEntropyLoss 0.8.5), cce (cut_cross_entropy.linear_cross_entropy, default filter),
-cce_nofilter (filter_eps=None, opt-in), trl (TRL 1.16 fused head: ChunkedLogProbFunction on hidden[mask],
+cce_nofilter (filter_eps=None, opt-in), lce_patch_tokens (opt-in: per-token log-probs, entropy and
+argmax flags reduced to TRL's SFT loss, as the TRL integration runs it), trl (TRL 1.16 fused head: ChunkedLogProbFunction on hidden[mask],
 32768-wide vocab tiles, outputs=("log_probs",) (SFTTrainer also asks for entropy and is_top1, slightly more
 work), -log_probs.sum() / n_valid). A peer that is missing or fails is reported in its row, not fatal.
 
@@ -66,7 +67,7 @@ SHAPES = {
     "mistral-7b": (8192, 4096, 32768, None, False),
 }
 METHODS = ("lce_patch", "lce_patch_skip", "unfused", "compile", "liger", "cce", "trl")
-OPTIONAL_METHODS = ("cce_nofilter",)
+OPTIONAL_METHODS = ("cce_nofilter", "lce_patch_tokens")
 FWD_ONLY = ("lce_patch", "lce_patch_skip", "unfused", "compile")
 
 
@@ -107,6 +108,17 @@ def build(method: str, h, w, y, softcap):
 
         # The op counts the non-ignored labels itself: the host sync is inside the timed region.
         return lambda: fused_linear_cross_entropy(h, w, y, softcap=softcap, backend="triton", skip_ignored=True)
+    if method == "lce_patch_tokens":
+        from lce_patch import fused_linear_log_probs
+
+        def sft_loss():  # what TRL's SFTTrainer does with the head that FusedLCECallback serves
+            out = fused_linear_log_probs(
+                h, w, y, softcap=softcap, backend="triton", return_entropy=True, return_is_top1=True,
+                skip_ignored=True, precompute_grad=True,
+            )  # fmt: skip
+            return -out.log_probs.sum() / out.label_mask.sum().clamp(min=1)
+
+        return sft_loss
     if method == "unfused":
         return lambda: hf_unfused(h, w, y, softcap)
     if method == "compile":
@@ -293,7 +305,7 @@ def table(block) -> str:
 
 def summary(blocks) -> str:
     """lce_patch per shape: % of floors, memory, and speedup over every other method (their ms / ours)."""
-    ours_methods = ("lce_patch", "lce_patch_skip")
+    ours_methods = ("lce_patch", "lce_patch_skip", "lce_patch_tokens")
     others = [m for m in METHODS + OPTIONAL_METHODS if m not in ours_methods]
     out = ["| shape | data | ours | ms | % floor | % GEMM floor | peak MiB | leanest peer MiB | "
            + " | ".join(f"vs {m}" for m in others) + " |"]  # fmt: skip
