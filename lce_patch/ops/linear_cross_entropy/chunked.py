@@ -14,7 +14,12 @@ Two gradient schedules:
   rounding, when it is 1 or a power of two as under loss scaling).
 * per-token outputs (reduction "none", log-probabilities, differentiable entropy): the forward
   keeps the log-sum-exp and entropy per token; the backward recomputes each chunk's logits and
-  applies the per-token upstream gradients.
+  applies the per-token upstream gradients. With ``precompute_grad`` the forward also computes the
+  gradient of the mean over valid tokens, and the backward only rescales it when the upstream
+  gradient is the same for every valid token (checked with one host sync), else it recomputes.
+
+Rows whose label is ignored can be left out (``row_index``: the rows to process): each chunk then
+gathers its rows of hidden, dh is scattered back, and per-row outputs are placed among zeros.
 
 Memory above inputs and gradients: the one logits buffer plus O(N) fp32 vectors.
 """
@@ -260,7 +265,6 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         ctx.use_triton = use_triton
         ctx.scalar_loss = scalar_loss
         ctx.needs_grad = needs_grad
-        ctx.has_row_index = row_index is not None
         ctx.backward_done = False
         empty = out.loss.new_empty(0)
         entropy = out.entropy if want_entropy else empty

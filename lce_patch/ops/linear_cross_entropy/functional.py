@@ -136,7 +136,7 @@ def start_valid_token_count(labels: torch.Tensor, ignore_index: int = -100, shif
     host = torch.empty((), dtype=count.dtype, pin_memory=True)
     host.copy_(count, non_blocking=True)
     ready = torch.cuda.Event()
-    ready.record()
+    ready.record(torch.cuda.current_stream(count.device))
 
     def read() -> int:
         ready.synchronize()
