@@ -93,3 +93,16 @@ def test_non_finite_input_gives_nan_like_the_unfused_path(backend, where, value,
     loss.backward()
     assert not torch.isfinite(ref)  # the unfused path is NaN (or inf) here...
     assert torch.isnan(loss) or not torch.isfinite(loss)  # ...and so are we: never a finite wrong number
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("softcap", [30.0, 100.0])  # the kernel's bounded-exponent path (<= 40) and the running max
+@pytest.mark.parametrize("bad_row", [5, 2060])
+def test_nan_with_softcap_gives_nan(backend, softcap, bad_row):
+    generator = torch.Generator().manual_seed(bad_row)
+    hidden = torch.randn(9, 8, generator=generator)
+    weight = torch.randn(2100, 8, generator=generator)
+    labels = torch.randint(0, 2100, (9,), generator=generator)
+    weight[bad_row, 3] = math.nan
+    loss = fused_linear_cross_entropy(hidden, weight, labels, softcap=softcap, backend=backend, chunk_size=4)
+    assert torch.isnan(loss)

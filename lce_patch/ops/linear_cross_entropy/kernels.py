@@ -86,10 +86,12 @@ def _stats_kernel(
     inv_temperature,
     label_smoothing,
     z_loss,
+    fixed_max,
     HAS_SOFTCAP: tl.constexpr,
     HAS_SMOOTHING: tl.constexpr,
     HAS_Z_LOSS: tl.constexpr,
     HAS_EXACT_TARGET: tl.constexpr,
+    FIXED_MAX: tl.constexpr,
     WANT_ENTROPY: tl.constexpr,
     WANT_TOP1: tl.constexpr,
     WANT_MEAN_LOGIT: tl.constexpr,
@@ -120,31 +122,47 @@ def _stats_kernel(
         z, _ = _transform(raw, logit_scale, softcap, inv_temperature, HAS_SOFTCAP)
         z_or_0 = tl.where(in_row, z, 0.0)
         z = tl.where(in_row, z, float("-inf"))
-        # NaN must win the max (the default max drops it): a NaN logit seen first in its lane would
-        # otherwise look like padding below and vanish from the sums, giving a finite wrong loss.
-        new_max = tl.maximum(lane_max, z, propagate_nan=tl.PropagateNan.ALL)
-        empty_lane = new_max == float("-inf")  # only padding seen so far: keep zero sums, no inf - inf
-        rescale = tl.where(empty_lane, 1.0, tl.exp(lane_max - new_max))
-        e = tl.where(empty_lane, 0.0, tl.exp(z - new_max))
-        lane_sum = lane_sum * rescale + e
-        if WANT_ENTROPY:
-            lane_sum_z = lane_sum_z * rescale + e * z_or_0
-        lane_max = new_max
+        if FIXED_MAX:
+            # Softcapped logits are bounded, |z| <= fixed_max: exponentials taken against that bound
+            # neither overflow nor (bound <= 40) all underflow, so no running max and no rescaling.
+            e = tl.exp(z - fixed_max)  # 0 for padding (z = -inf), NaN stays NaN
+            lane_sum += e
+            if WANT_ENTROPY:
+                lane_sum_z += e * z_or_0
+            if WANT_TOP1:
+                lane_max = tl.maximum(lane_max, z, propagate_nan=tl.PropagateNan.ALL)
+        else:
+            # NaN must win the max (the default max drops it): a NaN logit seen first in its lane
+            # would otherwise look like padding below and vanish from the sums (a finite wrong loss).
+            new_max = tl.maximum(lane_max, z, propagate_nan=tl.PropagateNan.ALL)
+            empty_lane = new_max == float("-inf")  # only padding seen so far: keep zero sums, no inf - inf
+            rescale = tl.where(empty_lane, 1.0, tl.exp(lane_max - new_max))
+            e = tl.where(empty_lane, 0.0, tl.exp(z - new_max))
+            lane_sum = lane_sum * rescale + e
+            if WANT_ENTROPY:
+                lane_sum_z = lane_sum_z * rescale + e * z_or_0
+            lane_max = new_max
         if HAS_SMOOTHING or WANT_MEAN_LOGIT:
             lane_z += z_or_0
         lane_target += tl.where(cols == label, z_or_0, 0.0)
         if WANT_TOP1:
             lane_before_target = tl.maximum(lane_before_target, tl.where(cols < label, z, float("-inf")))
 
-    running_max = tl.max(lane_max, 0)
-    lane_weight = tl.where(lane_max == float("-inf"), 0.0, tl.exp(lane_max - running_max))
-    sum_exp = tl.sum(lane_sum * lane_weight, 0)
-    sum_exp_z = tl.sum(lane_sum_z * lane_weight, 0)
+    running_max = tl.max(lane_max, 0)  # the row's max logit (argmax check)
+    if FIXED_MAX:
+        ref_max = tl.cast(fixed_max, tl.float32)  # the sums are of exp(z - ref_max)
+        sum_exp = tl.sum(lane_sum, 0)
+        sum_exp_z = tl.sum(lane_sum_z, 0)
+    else:
+        ref_max = running_max
+        lane_weight = tl.where(lane_max == float("-inf"), 0.0, tl.exp(lane_max - running_max))
+        sum_exp = tl.sum(lane_sum * lane_weight, 0)
+        sum_exp_z = tl.sum(lane_sum_z * lane_weight, 0)
     sum_z = tl.sum(lane_z, 0)
     target_z = tl.sum(lane_target, 0)
     max_before_target = tl.max(lane_before_target, 0)
 
-    lse = running_max + tl.log(sum_exp)
+    lse = ref_max + tl.log(sum_exp)
     # The loss uses the target logit before the buffer's rounding when it is given (fp32 dot product
     # of the row with the target's weight row): swap its term in the sum of exponentials. The
     # gradient keeps ``lse`` of the buffer, so its softmax sums to one over what the GEMMs see.
@@ -153,8 +171,8 @@ def _stats_kernel(
     if HAS_EXACT_TARGET:
         label_in_row = valid & (label >= 0) & (label < vocab_size)
         exact_z, _ = _transform(tl.load(target_raw_ptr + row), logit_scale, softcap, inv_temperature, HAS_SOFTCAP)
-        exact_sum = tl.maximum(sum_exp - tl.exp(target_z - running_max), 0.0) + tl.exp(exact_z - running_max)
-        loss_lse = tl.where(label_in_row, running_max + tl.log(exact_sum), lse)
+        exact_sum = tl.maximum(sum_exp - tl.exp(target_z - ref_max), 0.0) + tl.exp(exact_z - ref_max)
+        loss_lse = tl.where(label_in_row, ref_max + tl.log(exact_sum), lse)
         loss_target_z = tl.where(label_in_row, exact_z, target_z)
     loss = loss_lse - loss_target_z
     if HAS_SMOOTHING:

@@ -10,6 +10,7 @@ the readable reference for the kernels.
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 
@@ -27,6 +28,9 @@ except ImportError:  # pragma: no cover - depends on the platform
 # 2048 lanes at 8 warps is 8 registers per thread for each.
 _BLOCK_V_STATS = 2048
 _BLOCK_V_GRAD = 4096
+# Softcapped logits satisfy |z| <= softcap / temperature; up to this bound the stats kernel takes its
+# exponentials against the bound instead of a running max (exp(-2 * 40) is still a normal fp32).
+_FIXED_MAX_LIMIT = 40.0
 
 
 @dataclass(frozen=True)
@@ -173,6 +177,7 @@ def _triton_chunk_stats(
 ) -> None:
     rows, vocab_size = raw.shape
     placeholder = out.loss
+    fixed_max = math.inf if transform.softcap is None else transform.softcap / transform.temperature
     _kernels._stats_kernel[(rows,)](
         raw,
         raw.stride(0),
@@ -185,7 +190,9 @@ def _triton_chunk_stats(
         grad_scale if grad_scale is not None else placeholder,
         target_raw if target_raw is not None else placeholder,
         vocab_size,
+        fixed_max=fixed_max if fixed_max <= _FIXED_MAX_LIMIT else 0.0,
         HAS_EXACT_TARGET=target_raw is not None,
+        FIXED_MAX=fixed_max <= _FIXED_MAX_LIMIT,
         WANT_ENTROPY=out.entropy is not None,
         WANT_TOP1=out.is_top1 is not None,
         WANT_MEAN_LOGIT=out.mean_logit is not None,
