@@ -570,19 +570,25 @@ def main(argv: list[str] | None = None) -> int:
         # Parameters.
         params, missing = compare_params(dist["state"], ref["state"], init_state)
         check("all parameters gathered", not missing and params, f"{len(params)} compared, missing {missing}")
-        if params:
-            worst_p = max(params, key=lambda p: p["rel_l2"])
-            worst_u = max(params, key=lambda p: p["update_rel_l2"])
+
+        def check_params(against: str, compared: list[dict[str, Any]]) -> None:
+            """Worst parameter and worst update (the gradient check) against one reference run."""
+            if not compared:
+                return
+            worst_p = max(compared, key=lambda p: p["rel_l2"])
+            worst_u = max(compared, key=lambda p: p["update_rel_l2"])
             check(
-                "parameters vs reference",
+                f"parameters vs {against}",
                 worst_p["rel_l2"] <= args.rtol_param,
                 f"worst rel L2 {worst_p['rel_l2']:.2e} ({worst_p['name']})",
             )
             check(
-                "updates (gradients) vs reference",
+                f"updates (gradients) vs {against}",
                 worst_u["update_rel_l2"] <= args.rtol_update,
                 f"worst rel L2 {worst_u['update_rel_l2']:.2e} ({worst_u['name']})",
             )
+
+        check_params("reference", params)
         params_fused: list[dict[str, Any]] = []
         if ref_fused is not None:
             # The same op in one process: isolates the distribution (gathering, all-reduce, loss scaling)
@@ -590,19 +596,7 @@ def main(argv: list[str] | None = None) -> int:
             worst_lf = max(r["rel_err_vs_ref_fused"] for r in loss_rows)
             check("loss vs ref_fused", worst_lf <= args.rtol_loss, f"worst per-step rel err {worst_lf:.2e}")
             params_fused, _ = compare_params(dist["state"], ref_fused["state"], init_state)
-            if params_fused:
-                worst_pf = max(params_fused, key=lambda p: p["rel_l2"])
-                worst_uf = max(params_fused, key=lambda p: p["update_rel_l2"])
-                check(
-                    "parameters vs ref_fused",
-                    worst_pf["rel_l2"] <= args.rtol_param,
-                    f"worst rel L2 {worst_pf['rel_l2']:.2e} ({worst_pf['name']})",
-                )
-                check(
-                    "updates (gradients) vs ref_fused",
-                    worst_uf["update_rel_l2"] <= args.rtol_update,
-                    f"worst rel L2 {worst_uf['update_rel_l2']:.2e} ({worst_uf['name']})",
-                )
+            check_params("ref_fused", params_fused)
 
         ok = all(c["ok"] for c in checks)
         # ------------------------------------------------------------------ the table
