@@ -74,6 +74,8 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))  # lce_patch from this checkout, not an installed copy
 
+from bench_common import rel_err, set_exact_fp32  # noqa: E402  (this script's folder is on sys.path)
+
 import lce_patch  # noqa: E402
 import lce_patch.models.forward as lce_forward  # noqa: E402
 from lce_patch import apply_fused_lce  # noqa: E402
@@ -143,13 +145,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.head_std is None:
         args.head_std = 0.1 if args.arch == "gemma2" else 0.02
     return args
-
-
-def set_exact_fp32() -> None:
-    """No TF32 anywhere: fp32 comparisons at ~1e-6."""
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
-    torch.set_float32_matmul_precision("highest")
 
 
 def build_model(args: argparse.Namespace) -> torch.nn.Module:
@@ -435,10 +430,6 @@ def run_distributed(accelerator, base, batches, args) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------------------------- comparing
-def rel(a: float, b: float) -> float:
-    return abs(a - b) / max(abs(b), 1e-30)
-
-
 def compare_params(dist: dict, ref: dict, init: dict) -> tuple[list[dict[str, Any]], list[str]]:
     rows, missing = [], []
     for name, r in ref.items():
@@ -529,7 +520,9 @@ def main(argv: list[str] | None = None) -> int:
                 f" types {sorted({c['weight_type'] for c in calls})}",
             )
             norm_errs = [
-                rel(c["weight_norm"], ref["head_norms"][s]) for s, c in enumerate(calls) if s < len(ref["head_norms"])
+                rel_err(c["weight_norm"], ref["head_norms"][s])
+                for s, c in enumerate(calls)
+                if s < len(ref["head_norms"])
             ]
             worst_norm = max(norm_errs, default=math.inf)
             check(
@@ -557,12 +550,12 @@ def main(argv: list[str] | None = None) -> int:
                 "n_items": batches[s][2],
                 "ref": ref["losses"][s],
                 "dist": dist["losses"][s],
-                "rel_err": rel(dist["losses"][s], ref["losses"][s]),
+                "rel_err": rel_err(dist["losses"][s], ref["losses"][s]),
                 "local": [info["local_losses"][s] for info in dist["ranks"]],
             }
             if ref_fused is not None:
                 row["ref_fused"] = ref_fused["losses"][s]
-                row["rel_err_vs_ref_fused"] = rel(dist["losses"][s], ref_fused["losses"][s])
+                row["rel_err_vs_ref_fused"] = rel_err(dist["losses"][s], ref_fused["losses"][s])
             loss_rows.append(row)
         worst_loss = max(r["rel_err"] for r in loss_rows)
         check("loss vs reference", worst_loss <= args.rtol_loss, f"worst per-step rel err {worst_loss:.2e}")

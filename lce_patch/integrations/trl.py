@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from .. import ops as _ops
-from ..models import get_head_config, head_call, unwrap_causal_lm
+from ..models import LCEOptions, get_head_config, head_call, unwrap_causal_lm
 
 __all__ = ["TRLProtocolError", "find_trl_head", "maybe_install_trl_head", "remove_trl_head"]
 
@@ -316,7 +316,7 @@ def _make_forward(
     temperature = protocol.temperature
     cast_fp32 = protocol.cast_lm_head_to_fp32
 
-    skip_ignored = options.get("skip_ignored", True)
+    skip_ignored = options.get("skip_ignored", LCEOptions.skip_ignored)
 
     def score(weight, bias, hidden, labels, num_valid_tokens=None):
         # Runs inside the lm_head module call (`head_call`), where FSDP / ZeRO-3 have gathered the weight

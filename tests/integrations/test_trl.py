@@ -30,21 +30,13 @@ from lce_patch.integrations.trl import (  # noqa: E402
     remove_trl_head,
 )
 from lce_patch.ops.linear_cross_entropy.chunked import LinearCrossEntropyFunction  # noqa: E402
+from tests.models.tiny import COMMON_CONFIG  # noqa: E402
 
 add_fused_lm_head = trl_utils.add_fused_lm_head
 SFT_OUTPUTS = ("log_probs", "entropy", "is_top1")
 VOCAB = 64
 _COMMON = dict(
-    vocab_size=VOCAB,
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=128,
-    pad_token_id=0,
-    eos_token_id=1,
-    bos_token_id=2,
+    COMMON_CONFIG, vocab_size=VOCAB, max_position_embeddings=128, pad_token_id=0, eos_token_id=1, bos_token_id=2
 )
 
 

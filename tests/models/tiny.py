@@ -8,7 +8,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 VOCAB = 128
-_COMMON = dict(
+COMMON_CONFIG = dict(
     vocab_size=VOCAB,
     hidden_size=32,
     intermediate_size=64,
@@ -38,7 +38,7 @@ TINY_CONFIGS: dict[str, dict] = {
 
 def tiny_config(model_type: str, **overrides):
     if model_type == "gemma3":
-        text = dict(_COMMON, **TINY_CONFIGS["gemma3_text"])
+        text = dict(COMMON_CONFIG, **TINY_CONFIGS["gemma3_text"])
         text["final_logit_softcapping"] = 2.0  # set, yet Gemma3ForConditionalGeneration applies none
         vision = dict(
             hidden_size=16,
@@ -51,7 +51,7 @@ def tiny_config(model_type: str, **overrides):
         return AutoConfig.for_model(
             "gemma3", text_config=text, vision_config=vision, mm_tokens_per_image=4, **overrides
         )
-    return AutoConfig.for_model(model_type, **dict(_COMMON, **TINY_CONFIGS[model_type], **overrides))
+    return AutoConfig.for_model(model_type, **dict(COMMON_CONFIG, **TINY_CONFIGS[model_type], **overrides))
 
 
 def tiny_model(model_type: str, seed: int = 0, **overrides) -> torch.nn.Module:

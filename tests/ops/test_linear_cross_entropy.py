@@ -179,6 +179,20 @@ def test_bf16_loss_is_not_limited_by_the_rounding_of_the_logits(backend, softcap
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_bf16_fp32_target_logit_of_the_rows_kept_by_skip_ignored(backend):
+    # With skip_ignored the fp32 target logits are computed for the kept rows only (gathered by index):
+    # the loss must be the one of the full pass.
+    gen = torch.Generator().manual_seed(11)
+    weight = (torch.randn(3000, 64, generator=gen) / 8).bfloat16()
+    labels = torch.randint(0, 3000, (96,), generator=gen)
+    labels[::3] = -100
+    hidden = (torch.randn(96, 64, generator=gen) + 6 * weight.float()[labels.clamp(min=0)]).bfloat16()
+    full = fused_linear_cross_entropy(hidden, weight, labels, backend=backend, reduction="none")
+    kept = fused_linear_cross_entropy(hidden, weight, labels, backend=backend, reduction="none", skip_ignored=True)
+    torch.testing.assert_close(kept, full, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_all_ignored_gives_zero_and_zero_grads(backend):
     hidden, weight, labels, _ = make_inputs()
     labels.fill_(-100)

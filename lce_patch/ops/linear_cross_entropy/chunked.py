@@ -230,9 +230,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         # more in fp32 so that rounding does not reach it (fp32 buffers need no second look).
         target_raw = None
         if hidden.dtype != torch.float32:
-            target_raw = target_logits(hidden, weight, bias, labels, use_triton)
-            if row_index is not None:
-                target_raw = target_raw.index_select(0, row_index)
+            target_raw = target_logits(hidden, weight, bias, labels, use_triton, row_index)
         buffer = torch.empty(min(chunk_rows, max(num_rows, 1)), vocab_size, dtype=hidden.dtype, device=device)
         for start in range(0, num_rows, chunk_rows):
             stop = min(start + chunk_rows, num_rows)

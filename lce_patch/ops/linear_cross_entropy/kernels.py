@@ -271,10 +271,12 @@ def _target_logit_kernel(
     weight_row_stride,
     bias_ptr,
     labels_ptr,
+    row_index_ptr,
     out_ptr,
     hidden_size,
     vocab_size,
     HAS_BIAS: tl.constexpr,
+    GATHER_ROWS: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
     """``out[row] = hidden[row] . weight[label] (+ bias[label])`` in fp32, 0 for labels outside [0, V).
@@ -282,8 +284,12 @@ def _target_logit_kernel(
     The GEMM rounds each logit to the compute dtype (bf16: 8 bits of mantissa, an error of ~0.1
     on a logit of 30); the target logit is the one the loss reads directly, so computing it once
     more in fp32 (2*N*D FLOPs, one weight row per token) removes most of the loss's rounding error.
+    With ``GATHER_ROWS`` program ``i`` computes row ``row_index[i]`` (the rows the op processes).
     """
-    row = tl.program_id(0).to(tl.int64)
+    program = tl.program_id(0).to(tl.int64)
+    row = program
+    if GATHER_ROWS:
+        row = tl.load(row_index_ptr + program).to(tl.int64)
     label = tl.load(labels_ptr + row)
     in_range = (label >= 0) & (label < vocab_size)
     safe_label = tl.where(in_range, label, 0).to(tl.int64)
@@ -297,7 +303,7 @@ def _target_logit_kernel(
     value = tl.sum(acc, 0)
     if HAS_BIAS:
         value += tl.load(bias_ptr + safe_label).to(tl.float32)
-    tl.store(out_ptr + row, tl.where(in_range, value, 0.0))
+    tl.store(out_ptr + program, tl.where(in_range, value, 0.0))
 
 
 @triton.jit

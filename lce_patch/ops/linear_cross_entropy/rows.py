@@ -10,7 +10,6 @@ the readable reference for the kernels.
 
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass
 
@@ -177,7 +176,9 @@ def _triton_chunk_stats(
 ) -> None:
     rows, vocab_size = raw.shape
     placeholder = out.loss
-    fixed_max = math.inf if transform.softcap is None else transform.softcap / transform.temperature
+    # |z| <= softcap / temperature: the kernel's bounded-exponent path when that bound is small enough.
+    fixed_max = None if transform.softcap is None else transform.softcap / transform.temperature
+    use_fixed_max = fixed_max is not None and fixed_max <= _FIXED_MAX_LIMIT
     _kernels._stats_kernel[(rows,)](
         raw,
         raw.stride(0),
@@ -190,9 +191,9 @@ def _triton_chunk_stats(
         grad_scale if grad_scale is not None else placeholder,
         target_raw if target_raw is not None else placeholder,
         vocab_size,
-        fixed_max=fixed_max if fixed_max <= _FIXED_MAX_LIMIT else 0.0,
+        fixed_max=fixed_max if use_fixed_max else 0.0,
         HAS_EXACT_TARGET=target_raw is not None,
-        FIXED_MAX=fixed_max <= _FIXED_MAX_LIMIT,
+        FIXED_MAX=use_fixed_max,
         WANT_ENTROPY=out.entropy is not None,
         WANT_TOP1=out.is_top1 is not None,
         WANT_MEAN_LOGIT=out.mean_logit is not None,
@@ -266,11 +267,18 @@ def chunk_stats(
 
 
 def target_logits(
-    hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, labels: torch.Tensor, use_triton: bool
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    labels: torch.Tensor,
+    use_triton: bool,
+    row_index: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """fp32 ``hidden[i] . weight[labels[i]] (+ bias)`` for every row [N], 0 where the label is
-    outside [0, V) (ignored rows). 2*N*D FLOPs and N weight rows read: negligible next to the GEMMs."""
-    num_rows, hidden_size = hidden.shape
+    """fp32 ``hidden[i] . weight[labels[i]] (+ bias)`` for every row i [N], or for the rows of
+    ``row_index`` [M]; 0 where the label is outside [0, V) (ignored rows). 2*N*D FLOPs and N weight
+    rows read: negligible next to the GEMMs."""
+    hidden_size = hidden.shape[1]
+    num_rows = hidden.shape[0] if row_index is None else row_index.shape[0]
     vocab_size = weight.shape[0]
     out = torch.empty(num_rows, dtype=torch.float32, device=hidden.device)
     if num_rows == 0:
@@ -283,13 +291,17 @@ def target_logits(
             weight.stride(0),
             bias if bias is not None else out,
             labels,
+            row_index if row_index is not None else labels,
             out,
             hidden_size,
             vocab_size,
             HAS_BIAS=bias is not None,
+            GATHER_ROWS=row_index is not None,
             BLOCK_D=min(1024, _next_power_of_2(hidden_size)),
         )
         return out
+    if row_index is not None:
+        hidden, labels = hidden.index_select(0, row_index), labels.index_select(0, row_index)
     in_range = (labels >= 0) & (labels < vocab_size)
     safe_labels = torch.where(in_range, labels, 0)
     # A row-wise dot product in fp32, a few thousand rows at a time to bound the fp32 copies.
