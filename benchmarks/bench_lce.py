@@ -5,7 +5,8 @@ and W [V, D] with requires_grad, int64 labels with every 7th = -100; "flat" or "
 
 Per method and shape:
   * fwd+bwd: ``triton.testing.do_bench`` median (gradients reset to None outside the timed region);
-    forward-only under no_grad for lce_patch / unfused / compile.
+    forward-only under no_grad for lce_patch / unfused / compile. ``--rounds`` (default 3) times every
+    method of a shape once per round, in turn, and reports the median of the rounds.
   * peak: max_memory_allocated during one fwd+bwd minus what was allocated before (inputs), so it
     includes dh and dW, which every method must produce.
   * errors vs an fp32 chunked reference on the same bf16 inputs: loss relative error, relative L2 of
@@ -15,8 +16,10 @@ Per method and shape:
     frozen): "% floor" = floor / time.
 
 Methods: lce_patch (backend triton, default chunking; ``--chunk-sizes`` adds a sweep), lce_patch_skip
-(the same with skip_ignored=True: matmuls on the non-ignored rows only, one host sync to count them, as a
-patched model does by default without the sync), unfused (F.linear,
+(the same with skip_ignored=True: matmuls on the non-ignored rows only, given the count of those rows as
+a patched model is: it starts the count before the decoder runs, so reading it stalls nothing; here it is
+taken once outside the timed region), lce_patch_skip_sync (opt-in: the op counts the rows itself, a
+host sync inside the timed region), unfused (F.linear,
 float, F.cross_entropy; softcap in bf16 as Hugging Face does), compile (torch.compile of unfused), liger
 (LigerFusedLinearCrossEntropyLoss 0.8.5), cce (cut_cross_entropy.linear_cross_entropy, default filter),
 cce_nofilter (filter_eps=None, opt-in), lce_patch_tokens (opt-in: per-token log-probs, entropy and
@@ -47,6 +50,7 @@ import contextlib
 import json
 import math
 import os
+import statistics
 import sys
 import time
 import types
@@ -67,8 +71,8 @@ SHAPES = {
     "mistral-7b": (8192, 4096, 32768, None, False),
 }
 METHODS = ("lce_patch", "lce_patch_skip", "unfused", "compile", "liger", "cce", "trl")
-OPTIONAL_METHODS = ("cce_nofilter", "lce_patch_tokens")
-FWD_ONLY = ("lce_patch", "lce_patch_skip", "unfused", "compile")
+OPTIONAL_METHODS = ("cce_nofilter", "lce_patch_tokens", "lce_patch_skip_sync")
+FWD_ONLY = ("lce_patch", "lce_patch_skip", "lce_patch_skip_sync", "unfused", "compile")
 
 
 # ----------------------------------------------------------------------------------------------- methods
@@ -103,18 +107,32 @@ def build(method: str, h, w, y, softcap):
 
         chunk = int(method[len("lce_patch[c=") : -1]) if "[" in method else None
         return lambda: fused_linear_cross_entropy(h, w, y, softcap=softcap, backend="triton", chunk_size=chunk)
-    if method == "lce_patch_skip":
+    if method == "lce_patch_skip_sync":
         from lce_patch import fused_linear_cross_entropy
 
-        # The op counts the non-ignored labels itself: the host sync is inside the timed region.
+        # The op counts the non-ignored labels itself: a host sync inside the timed region.
         return lambda: fused_linear_cross_entropy(h, w, y, softcap=softcap, backend="triton", skip_ignored=True)
+    if method == "lce_patch_skip":
+        from lce_patch import fused_linear_cross_entropy
+        from lce_patch.ops.linear_cross_entropy.functional import start_valid_token_count
+
+        # What a patched model runs: the count of non-ignored labels is started before the decoder
+        # (start_valid_token_count) and read after it, so it stalls nothing; here it is taken once,
+        # outside the timed region (the labels do not change between calls).
+        n_valid = start_valid_token_count(y, IGNORE)()
+        return lambda: fused_linear_cross_entropy(
+            h, w, y, softcap=softcap, backend="triton", skip_ignored=True, num_valid_tokens=n_valid
+        )
     if method == "lce_patch_tokens":
         from lce_patch import fused_linear_log_probs
+        from lce_patch.ops.linear_cross_entropy.functional import start_valid_token_count
+
+        n_valid = start_valid_token_count(y, IGNORE)()  # as the TRL integration does, before the decoder
 
         def sft_loss():  # what TRL's SFTTrainer does with the head that FusedLCECallback serves
             out = fused_linear_log_probs(
                 h, w, y, softcap=softcap, backend="triton", return_entropy=True, return_is_top1=True,
-                skip_ignored=True, precompute_grad=True,
+                skip_ignored=True, num_valid_tokens=n_valid, precompute_grad=True,
             )  # fmt: skip
             return -out.log_probs.sum() / out.label_mask.sum().clamp(min=1)
 
@@ -210,17 +228,30 @@ def run_method(method, h, w, y, softcap, ref, args) -> dict:
         def step():
             fn().backward()
 
-        row["ms"] = bench_ms(step, args, grad_to_none=[h, w])
+        row["ms_rounds"] = [bench_ms(step, args, grad_to_none=[h, w])]
         if method in FWD_ONLY or method.startswith("lce_patch["):
             with torch.no_grad():
                 fn()
-                row["fwd_ms"] = bench_ms(fn, args)
+                row["fwd_ms_rounds"] = [bench_ms(fn, args)]
     except Exception as exc:  # a failing peer is a result, not a crash
         row["error"] = f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0][:300]}"
     finally:
         h.grad = w.grad = None
         free()
     return row
+
+
+def retime(row, h, w, y, softcap, args) -> None:
+    """One more timing round of a method that ran (its correctness and memory were read once)."""
+    try:
+        fn = build(row["method"], h, w, y, softcap)
+        row["ms_rounds"].append(bench_ms(lambda: fn().backward(), args, grad_to_none=[h, w]))
+        if "fwd_ms_rounds" in row:
+            with torch.no_grad():
+                row["fwd_ms_rounds"].append(bench_ms(fn, args))
+    finally:
+        h.grad = w.grad = None
+        free()
 
 
 def run_shape(name, data, methods, args, tflops) -> dict:
@@ -254,14 +285,24 @@ def run_shape(name, data, methods, args, tflops) -> dict:
     for method in methods:
         t0 = time.time()
         row = run_method(method, h, w, y, softcap, ref, args)
-        if "ms" in row:
-            row["pct_floor"] = 100 * block["floor_ms"] / row["ms"]
-            row["pct_gemm_floor"] = 100 * block["gemm_floor_ms"] / row["ms"]
-        if "fwd_ms" in row:
-            row["pct_fwd_floor"] = 100 * block["fwd_floor_ms"] / row["fwd_ms"]
         row["wall_s"] = round(time.time() - t0, 1)
         block["rows"].append(row)
-        print(f"  {name}/{data} {method}: " + (row.get("error") or f"{row['ms']:.2f} ms"), flush=True)
+        print(f"  {name}/{data} {method}: " + (row.get("error") or f"{row['ms_rounds'][0]:.2f} ms"), flush=True)
+    # The GPU's clocks drift over a long run (power and heat), which favours whichever method runs
+    # first; more rounds, each over every method in turn, and the median of the rounds even that out.
+    for _ in range(args.rounds - 1):
+        for row in block["rows"]:
+            if "error" not in row:
+                retime(row, h, w, y, softcap, args)
+    for row in block["rows"]:
+        if "error" in row:
+            continue
+        row["ms"] = statistics.median(row["ms_rounds"])
+        row["pct_floor"] = 100 * block["floor_ms"] / row["ms"]
+        row["pct_gemm_floor"] = 100 * block["gemm_floor_ms"] / row["ms"]
+        if "fwd_ms_rounds" in row:
+            row["fwd_ms"] = statistics.median(row["fwd_ms_rounds"])
+            row["pct_fwd_floor"] = 100 * block["fwd_floor_ms"] / row["fwd_ms"]
     del h, w, y, ref, dh_ref, dw_ref
     free()
     return block
@@ -337,6 +378,7 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=float, default=25, help="do_bench warm-up, ms")
     p.add_argument("--rep", type=float, default=100, help="do_bench repetition window, ms (at least)")
     p.add_argument("--min-reps", type=int, default=8, help="widen the window to this many calls")
+    p.add_argument("--rounds", type=int, default=3, help="timing rounds over all methods; the median is reported")
     p.add_argument("--budget-min", type=float, default=8.0, help="start no new shape after this many minutes")
     default_out = os.path.join(os.environ["OUT"], "bench.json") if os.environ.get("OUT") else None
     p.add_argument("--out", default=default_out, help="JSON path (default $OUT/bench.json if OUT is set)")

@@ -131,6 +131,24 @@ def test_skipping_ignored_rows_of_token_outputs(backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("vocab_size", [64, 2048, 2049, 4196])
+@pytest.mark.parametrize("options", [{}, {"softcap": 3.0, "label_smoothing": 0.1}, {"reduction": "none"}], ids=str)
+def test_vocab_sizes_at_the_kernel_block_edges(backend, vocab_size, options):
+    """The Triton row pass runs full 2048-wide blocks unmasked and a masked tail (none when V is a
+    multiple of the block); targets in the first, last and tail columns."""
+    hidden, weight, labels, _ = make_inputs(n=12, d=8, v=vocab_size, ignore_every=4)
+    labels[1], labels[2], labels[3] = 0, vocab_size - 1, min(2048, vocab_size - 1)
+    ref = naive_linear_cross_entropy(hidden.requires_grad_(), weight.requires_grad_(), labels, **options)
+    upstream = torch.rand_like(ref) + 0.5
+    ref_grads = torch.autograd.grad(ref, [hidden, weight], upstream)
+    h, w = leaf(hidden, torch.float32), leaf(weight, torch.float32)
+    out = fused_linear_cross_entropy(h, w, labels, backend=backend, chunk_size=5, **options)
+    out.backward(upstream.float())
+    assert rel_err(out, ref) < 1e-5
+    assert rel_err(h.grad, ref_grads[0]) < 1e-5 and rel_err(w.grad, ref_grads[1]) < 1e-5
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_bias_and_shift_3d(backend):
     check_against_reference({"shift": True}, backend=backend, bias=True, batch=3)
     check_against_reference({"shift": True, "softcap": 5.0, "reduction": "none"}, backend=backend, bias=True, batch=2)

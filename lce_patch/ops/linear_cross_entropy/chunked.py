@@ -48,8 +48,9 @@ TORCH_LOGITS_BUDGET_BYTES = 32 * 1024 * 1024
 
 
 def default_chunk_rows(num_rows: int, vocab_size: int, dtype: torch.dtype, use_triton: bool) -> int:
-    """Token rows per chunk: the logits budget, at least 1024 rows on the Triton path, and few
-    enough chunks that a bf16 dW is rounded at most ``MAX_BF16_DW_CHUNKS`` times."""
+    """Token rows per chunk for ``num_rows`` processed rows: the logits budget, at least 1024 rows on
+    the Triton path, and few enough chunks that a bf16 dW is rounded at most ``MAX_BF16_DW_CHUNKS``
+    times; then as many equal chunks as that size needs (a smaller buffer, no short last chunk)."""
     element_size = torch.finfo(dtype).bits // 8
     bytes_per_row = vocab_size * (element_size if use_triton else element_size + _TORCH_TEMPORARIES_PER_LOGIT)
     budget = DEFAULT_LOGITS_BUDGET_BYTES if use_triton else TORCH_LOGITS_BUDGET_BYTES
@@ -60,7 +61,12 @@ def default_chunk_rows(num_rows: int, vocab_size: int, dtype: torch.dtype, use_t
         rows = max(rows, MIN_DEFAULT_CHUNK_ROWS)
     if dtype == torch.bfloat16:
         rows = max(rows, -(-num_rows // (MAX_BF16_DW_CHUNKS * 128)) * 128)
-    return int(max(1, min(rows, max(num_rows, 1))))
+    rows = int(max(1, min(rows, max(num_rows, 1))))
+    chunks = -(-num_rows // rows)
+    if chunks > 1:
+        balanced = -(-num_rows // chunks)
+        rows = min(rows, -(-balanced // 16) * 16)
+    return rows
 
 
 def _matmul_into(out: torch.Tensor, hidden_chunk: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
@@ -102,12 +108,16 @@ class _GradAccumulator:
         self._dw_written = False
 
     def add(self, grad_chunk: torch.Tensor, hidden_chunk: torch.Tensor, rows: slice | torch.Tensor) -> None:
-        """``rows``: the chunk's rows of hidden, a slice or an index tensor."""
+        """``rows``: the chunk's rows of hidden, a slice, or an index tensor (``hidden_chunk`` is then
+        the op's own gathered copy, which this overwrites)."""
+        self._add_weight_grads(grad_chunk, hidden_chunk)
         if self.dh is not None:
             if isinstance(rows, slice):
                 torch.mm(grad_chunk, self.weight, out=self.dh[rows])
-            else:
-                self.dh.index_copy_(0, rows, grad_chunk @ self.weight)
+            else:  # the gathered rows are used up: their buffer takes dh's rows before the scatter
+                self.dh.index_copy_(0, rows, torch.mm(grad_chunk, self.weight, out=hidden_chunk))
+
+    def _add_weight_grads(self, grad_chunk: torch.Tensor, hidden_chunk: torch.Tensor) -> None:
         if self.dw is not None:
             if not self._dw_written:
                 self.dw.zero_() if self.dw_fp32 else torch.mm(grad_chunk.t(), hidden_chunk, out=self.dw)
@@ -125,6 +135,20 @@ class _GradAccumulator:
         dw = self.dw.to(weight_dtype) if self.dw is not None else None
         db = self.db.to(bias_dtype) if self.db is not None else None
         return self.dh, dw, db
+
+
+def _gather_buffer(hidden: torch.Tensor, row_index: torch.Tensor | None, rows: int) -> torch.Tensor | None:
+    """One ``[rows, D]`` buffer that every chunk's selected rows of hidden are gathered into (None: no selection)."""
+    if row_index is None:
+        return None
+    return torch.empty(rows, hidden.shape[1], dtype=hidden.dtype, device=hidden.device)
+
+
+def _chunk_rows_of(hidden: torch.Tensor, rows: slice | torch.Tensor, gathered: torch.Tensor | None) -> torch.Tensor:
+    """The chunk's rows of hidden: a view for a slice, else gathered into (the front of) ``gathered``."""
+    if isinstance(rows, slice):
+        return hidden[rows]
+    return torch.index_select(hidden, 0, rows, out=gathered[: rows.shape[0]])
 
 
 def _scatter_rows(out: RowOutputs, row_index: torch.Tensor, total_rows: int) -> RowOutputs:
@@ -232,11 +256,12 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         if hidden.dtype != torch.float32:
             target_raw = target_logits(hidden, weight, bias, labels, use_triton, row_index)
         buffer = torch.empty(min(chunk_rows, max(num_rows, 1)), vocab_size, dtype=hidden.dtype, device=device)
+        gathered = _gather_buffer(hidden, row_index, buffer.shape[0])
         for start in range(0, num_rows, chunk_rows):
             stop = min(start + chunk_rows, num_rows)
             raw = buffer[: stop - start]
             rows = slice(start, stop) if row_index is None else row_index[start:stop]
-            hidden_chunk = hidden[rows] if row_index is None else hidden.index_select(0, rows)
+            hidden_chunk = _chunk_rows_of(hidden, rows, gathered)
             _matmul_into(raw, hidden_chunk, weight, bias)
             chunk_out = RowOutputs(*(None if t is None else t[start:stop] for t in vars(out).values()))
             chunk_target = target_raw[start:stop] if target_raw is not None else None
@@ -251,7 +276,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             )
             if grads is not None:
                 grads.add(raw, hidden_chunk, rows)
-        del buffer
+        del buffer, gathered
         if row_index is not None and not scalar_loss:
             out = _scatter_rows(out, row_index, total_rows)
 
@@ -336,11 +361,12 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         if (grad_loss is not None or grad_entropy is not None) and num_rows > 0:
             chunk_rows = ctx.chunk_rows
             buffer = torch.empty(min(chunk_rows, num_rows), vocab_size, dtype=hidden.dtype, device=hidden.device)
+            gathered = _gather_buffer(hidden, row_index, buffer.shape[0])
             for start in range(0, num_rows, chunk_rows):
                 stop = min(start + chunk_rows, num_rows)
                 raw = buffer[: stop - start]
                 rows = slice(start, stop) if row_index is None else row_index[start:stop]
-                hidden_chunk = hidden[rows] if row_index is None else hidden.index_select(0, rows)
+                hidden_chunk = _chunk_rows_of(hidden, rows, gathered)
                 _matmul_into(raw, hidden_chunk, weight, bias)
                 chunk_grad(
                     raw,

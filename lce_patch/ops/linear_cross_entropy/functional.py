@@ -243,7 +243,8 @@ def _run(
         grad_on and weight.requires_grad,
         grad_on and bias is not None and bias.requires_grad,
     )
-    rows = chunk_size or default_chunk_rows(hidden_2d.shape[0], vocab_size, hidden.dtype, use_triton)
+    processed_rows = hidden_2d.shape[0] if row_index is None else row_index.shape[0]
+    rows = chunk_size or default_chunk_rows(processed_rows, vocab_size, hidden.dtype, use_triton)
     transform = LogitTransform(
         ignore_index=ignore_index,
         softcap=None if softcap is None else float(softcap),

@@ -20,15 +20,17 @@ and its gradient with respect to ``raw`` is::
 online log-sum-exp in fp32, kept per lane and merged once at the end: a running max ``m`` and a
 sum ``s`` of ``exp(z - m)``, rescaled when the max grows, plus the target logit, the sum of the logits (label smoothing, mean logit), the
 sum of ``p * z`` (entropy) and the max over positions before the target (argmax check with the
-first-index tie rule of ``torch.argmax``). The target logit is picked by comparing column indices
-with the label, never by indexing with it, so an out-of-range label cannot read out of bounds.
+first-index tie rule of ``torch.argmax``). The target logit is read once per row, by a load masked
+off for an ignored or out-of-range label, so the loops compare no column with the label. Full
+blocks of the row run without masks; only the last, partial block is masked.
 The buffer rounds each logit to the compute dtype (bf16: a relative error of 2^-9, ~0.06 on a
 logit of 30), and the loss reads the target logit directly; so with ``HAS_EXACT_TARGET`` the loss
 uses the target's raw logit computed in fp32 by ``_target_logit_kernel`` (a D-long dot product per
 token) and swaps its term inside the sum of exponentials. On the H100 this took the bf16 loss
 error from ~6e-5 to ~2e-6 relative to fp32 (benchmarks/NOTES.md, v5). The gradient keeps the
 buffer's own softmax, which is what the GEMMs consume.
-When ``WRITE_GRAD`` is set, a second pass overwrites the buffer in place with the gradient above,
+When ``WRITE_GRAD`` is set, a second pass overwrites the buffer in place with the gradient above
+(the target's ``-(1 - eps)`` term in one store after the loop),
 times the reduction factor read from device memory (1/n_valid or 1/num_items_in_batch for a
 valid row, 0 for an ignored one), exactly where the unfused path applies it: scaling a bf16 dh or
 dW afterwards would round it a second time. The second pass re-reads a row the first just
@@ -41,7 +43,7 @@ entropy, and overwrites the recomputed buffer with their combined gradient::
     dH/dz_j = -p_j * (z_j - lse + H)        (H = entropy)
 
 Memory: the ``[C, V]`` buffer (compute dtype) plus a few fp32 vectors of length C; nothing
-proportional to N x V. FLOPs: ~10 per logit per pass (exp, optional tanh as a sigmoid), which is
+proportional to N x V. FLOPs: ~10 per logit per pass (exp, optional tanh from one more exp and a division), which is
 negligible next to the 2*D FLOPs per logit of each GEMM; both kernels are bound by memory
 bandwidth: 2 reads + 1 write of the buffer (stats + gradient), or 1 read + 1 write (grad kernel).
 No atomics, so results are deterministic run to run.
@@ -56,15 +58,116 @@ import triton.language as tl
 @triton.jit
 def _transform(raw, logit_scale, softcap, inv_temperature, HAS_SOFTCAP: tl.constexpr):
     """Final logit from the GEMM output; also returns tanh (for the softcap derivative)."""
-    u = raw * logit_scale
     if HAS_SOFTCAP:
-        # tanh(x) = 2 * sigmoid(2x) - 1: portable across Triton versions and the CPU interpreter.
-        t = 2.0 * tl.sigmoid(2.0 * u / softcap) - 1.0
-        z = softcap * t
+        # tanh(x) = 1 - 2 / (1 + exp(2x)), with x = logit_scale * raw / softcap: one exponential and
+        # one division per logit (Triton's fp32 division is the 2-ulp div.full). The softcapped row
+        # pass is bound by the special function unit; this is one op fewer than a sigmoid of a quotient. exp(2x) = inf gives
+        # t = 1 exactly, exp(2x) = 0 gives t = -1, NaN stays NaN.
+        t = 1.0 - 2.0 / (1.0 + tl.exp(raw * (2.0 * logit_scale / softcap)))
+        z = t * (softcap * inv_temperature)
     else:
-        t = u * 0.0
-        z = u
-    return z * inv_temperature, t
+        t = raw * 0.0
+        z = raw * (logit_scale * inv_temperature)
+    return z, t
+
+
+@triton.jit
+def _load_block(row_ptr, cols, vocab_size, MASKED: tl.constexpr):
+    """fp32 logits at ``cols`` of a row; with ``MASKED``, columns past its end read as 0."""
+    if MASKED:
+        raw = tl.load(row_ptr + cols, mask=cols < vocab_size, other=0.0)
+    else:
+        raw = tl.load(row_ptr + cols)
+    return raw.to(tl.float32)
+
+
+@triton.jit
+def _stats_block(
+    row_ptr,
+    cols,
+    label,
+    vocab_size,
+    logit_scale,
+    softcap,
+    inv_temperature,
+    fixed_max,
+    lane_max,
+    lane_sum,
+    lane_sum_z,
+    lane_z,
+    lane_before_target,
+    HAS_SOFTCAP: tl.constexpr,
+    HAS_SUM_Z: tl.constexpr,
+    FIXED_MAX: tl.constexpr,
+    WANT_ENTROPY: tl.constexpr,
+    WANT_TOP1: tl.constexpr,
+    MASKED: tl.constexpr,
+):
+    """One block of the first pass: fold the logits at ``cols`` into the per-lane accumulators."""
+    raw = _load_block(row_ptr, cols, vocab_size, MASKED)
+    z, _ = _transform(raw, logit_scale, softcap, inv_temperature, HAS_SOFTCAP)
+    z_or_0 = z
+    if MASKED:
+        in_row = cols < vocab_size
+        z_or_0 = tl.where(in_row, z, 0.0)
+        z = tl.where(in_row, z, float("-inf"))
+    if FIXED_MAX:
+        # Softcapped logits are bounded, |z| <= fixed_max: exponentials taken against that bound
+        # neither overflow nor (bound <= 40) all underflow, so no running max and no rescaling.
+        e = tl.exp(z - fixed_max)  # 0 for padding (z = -inf), NaN stays NaN
+        lane_sum += e
+        if WANT_ENTROPY:
+            lane_sum_z += e * z_or_0
+        if WANT_TOP1:
+            lane_max = tl.maximum(lane_max, z, propagate_nan=tl.PropagateNan.ALL)
+    else:
+        # NaN must win the max (the default max drops it): a NaN logit seen first in its lane
+        # would otherwise look like padding below and vanish from the sums (a finite wrong loss).
+        new_max = tl.maximum(lane_max, z, propagate_nan=tl.PropagateNan.ALL)
+        empty_lane = new_max == float("-inf")  # only padding seen so far: keep zero sums, no inf - inf
+        rescale = tl.where(empty_lane, 1.0, tl.exp(lane_max - new_max))
+        e = tl.where(empty_lane, 0.0, tl.exp(z - new_max))
+        lane_sum = lane_sum * rescale + e
+        if WANT_ENTROPY:
+            lane_sum_z = lane_sum_z * rescale + e * z_or_0
+        lane_max = new_max
+    if HAS_SUM_Z:
+        lane_z += z_or_0
+    if WANT_TOP1:
+        lane_before_target = tl.maximum(lane_before_target, tl.where(cols < label, z, float("-inf")))
+    return lane_max, lane_sum, lane_sum_z, lane_z, lane_before_target
+
+
+@triton.jit
+def _grad_block(
+    row_ptr,
+    cols,
+    vocab_size,
+    lse,
+    p_scale,
+    raw_scale,
+    logit_scale,
+    softcap,
+    inv_temperature,
+    label_smoothing,
+    HAS_SOFTCAP: tl.constexpr,
+    HAS_SMOOTHING: tl.constexpr,
+    MASKED: tl.constexpr,
+):
+    """One block of the second pass: overwrite the logits at ``cols`` with their gradient, leaving out
+    the target's ``- (1 - label_smoothing)`` (the kernel writes the target's element after the loop)."""
+    raw = _load_block(row_ptr, cols, vocab_size, MASKED)
+    z, t = _transform(raw, logit_scale, softcap, inv_temperature, HAS_SOFTCAP)
+    grad = tl.exp(z - lse) * p_scale
+    if HAS_SMOOTHING:
+        grad -= label_smoothing / vocab_size
+    grad = grad * raw_scale
+    if HAS_SOFTCAP:
+        grad = grad * (1.0 - t * t)
+    if MASKED:
+        tl.store(row_ptr + cols, grad.to(row_ptr.dtype.element_ty), mask=cols < vocab_size)
+    else:
+        tl.store(row_ptr + cols, grad.to(row_ptr.dtype.element_ty))
 
 
 @triton.jit
@@ -102,55 +205,43 @@ def _stats_kernel(
     row_ptr = logits_ptr + row * logits_row_stride
     label = tl.load(labels_ptr + row)
     valid = label != ignore_index
+    label_in_row = valid & (label >= 0) & (label < vocab_size)
+    safe_label = tl.where(label_in_row, label, 0).to(tl.int64)
     logit_scale = tl.cast(logit_scale, tl.float32)
     softcap = tl.cast(softcap, tl.float32)
     inv_temperature = tl.cast(inv_temperature, tl.float32)
+    fixed_max = tl.cast(fixed_max, tl.float32)
+    # The target's logit as the buffer holds it, read once (0 for an ignored row): the loops need no
+    # per-logit comparison with the label. Read before the second pass overwrites the row.
+    target_raw = tl.load(row_ptr + safe_label, mask=label_in_row, other=0.0).to(tl.float32)
+    target_z, target_t = _transform(target_raw, logit_scale, softcap, inv_temperature, HAS_SOFTCAP)
 
     # Per-lane online log-sum-exp: each of the BLOCK_V lanes keeps its own running max and sums,
     # merged once after the loop. This costs a second exp per logit but no block-wide reduction
     # (shared memory + barrier) per iteration, which left the first version latency-bound.
+    # Full blocks run without masks; the last, partial block (if any) with them.
     lane_max = tl.full([BLOCK_V], float("-inf"), tl.float32)
     lane_sum = tl.zeros([BLOCK_V], tl.float32)
     lane_sum_z = tl.zeros([BLOCK_V], tl.float32)
     lane_z = tl.zeros([BLOCK_V], tl.float32)
-    lane_target = tl.zeros([BLOCK_V], tl.float32)
     lane_before_target = tl.full([BLOCK_V], float("-inf"), tl.float32)
-    for start in range(0, vocab_size, BLOCK_V):
-        cols = start + tl.arange(0, BLOCK_V)
-        in_row = cols < vocab_size
-        raw = tl.load(row_ptr + cols, mask=in_row, other=0.0).to(tl.float32)
-        z, _ = _transform(raw, logit_scale, softcap, inv_temperature, HAS_SOFTCAP)
-        z_or_0 = tl.where(in_row, z, 0.0)
-        z = tl.where(in_row, z, float("-inf"))
-        if FIXED_MAX:
-            # Softcapped logits are bounded, |z| <= fixed_max: exponentials taken against that bound
-            # neither overflow nor (bound <= 40) all underflow, so no running max and no rescaling.
-            e = tl.exp(z - fixed_max)  # 0 for padding (z = -inf), NaN stays NaN
-            lane_sum += e
-            if WANT_ENTROPY:
-                lane_sum_z += e * z_or_0
-            if WANT_TOP1:
-                lane_max = tl.maximum(lane_max, z, propagate_nan=tl.PropagateNan.ALL)
-        else:
-            # NaN must win the max (the default max drops it): a NaN logit seen first in its lane
-            # would otherwise look like padding below and vanish from the sums (a finite wrong loss).
-            new_max = tl.maximum(lane_max, z, propagate_nan=tl.PropagateNan.ALL)
-            empty_lane = new_max == float("-inf")  # only padding seen so far: keep zero sums, no inf - inf
-            rescale = tl.where(empty_lane, 1.0, tl.exp(lane_max - new_max))
-            e = tl.where(empty_lane, 0.0, tl.exp(z - new_max))
-            lane_sum = lane_sum * rescale + e
-            if WANT_ENTROPY:
-                lane_sum_z = lane_sum_z * rescale + e * z_or_0
-            lane_max = new_max
-        if HAS_SMOOTHING or WANT_MEAN_LOGIT:
-            lane_z += z_or_0
-        lane_target += tl.where(cols == label, z_or_0, 0.0)
-        if WANT_TOP1:
-            lane_before_target = tl.maximum(lane_before_target, tl.where(cols < label, z, float("-inf")))
+    full_end = vocab_size // BLOCK_V * BLOCK_V
+    for start in range(0, full_end, BLOCK_V):
+        lane_max, lane_sum, lane_sum_z, lane_z, lane_before_target = _stats_block(
+            row_ptr, start + tl.arange(0, BLOCK_V), label, vocab_size, logit_scale, softcap, inv_temperature,
+            fixed_max, lane_max, lane_sum, lane_sum_z, lane_z, lane_before_target, HAS_SOFTCAP,
+            HAS_SMOOTHING or WANT_MEAN_LOGIT, FIXED_MAX, WANT_ENTROPY, WANT_TOP1, False,
+        )  # fmt: skip
+    if full_end < vocab_size:
+        lane_max, lane_sum, lane_sum_z, lane_z, lane_before_target = _stats_block(
+            row_ptr, full_end + tl.arange(0, BLOCK_V), label, vocab_size, logit_scale, softcap, inv_temperature,
+            fixed_max, lane_max, lane_sum, lane_sum_z, lane_z, lane_before_target, HAS_SOFTCAP,
+            HAS_SMOOTHING or WANT_MEAN_LOGIT, FIXED_MAX, WANT_ENTROPY, WANT_TOP1, True,
+        )  # fmt: skip
 
     running_max = tl.max(lane_max, 0)  # the row's max logit (argmax check)
     if FIXED_MAX:
-        ref_max = tl.cast(fixed_max, tl.float32)  # the sums are of exp(z - ref_max)
+        ref_max = fixed_max  # the sums are of exp(z - ref_max)
         sum_exp = tl.sum(lane_sum, 0)
         sum_exp_z = tl.sum(lane_sum_z, 0)
     else:
@@ -159,7 +250,6 @@ def _stats_kernel(
         sum_exp = tl.sum(lane_sum * lane_weight, 0)
         sum_exp_z = tl.sum(lane_sum_z * lane_weight, 0)
     sum_z = tl.sum(lane_z, 0)
-    target_z = tl.sum(lane_target, 0)
     max_before_target = tl.max(lane_before_target, 0)
 
     lse = ref_max + tl.log(sum_exp)
@@ -169,7 +259,6 @@ def _stats_kernel(
     loss_lse = lse
     loss_target_z = target_z
     if HAS_EXACT_TARGET:
-        label_in_row = valid & (label >= 0) & (label < vocab_size)
         exact_z, _ = _transform(tl.load(target_raw_ptr + row), logit_scale, softcap, inv_temperature, HAS_SOFTCAP)
         exact_sum = tl.maximum(sum_exp - tl.exp(target_z - ref_max), 0.0) + tl.exp(exact_z - ref_max)
         loss_lse = tl.where(label_in_row, ref_max + tl.log(exact_sum), lse)
@@ -184,28 +273,37 @@ def _stats_kernel(
     if WANT_ENTROPY:
         tl.store(entropy_ptr + row, tl.where(valid, lse - sum_exp_z / sum_exp, 0.0))
     if WANT_TOP1:
-        top1 = (target_z >= running_max) & (target_z > max_before_target) & valid
+        top1 = (target_z >= running_max) & (target_z > max_before_target) & label_in_row
         tl.store(is_top1_ptr + row, top1.to(tl.int8))
     if WANT_MEAN_LOGIT:
         tl.store(mean_logit_ptr + row, tl.where(valid, sum_z / vocab_size, 0.0))
 
     if WRITE_GRAD:
         valid_scale = tl.where(valid, tl.load(grad_scale_ptr), 0.0)
+        raw_scale = logit_scale * inv_temperature * valid_scale
         p_scale = 1.0
         if HAS_Z_LOSS:
             p_scale = 1.0 + 2.0 * z_loss * lse
-        for start in range(0, vocab_size, BLOCK_V):
-            cols = start + tl.arange(0, BLOCK_V)
-            in_row = cols < vocab_size
-            raw = tl.load(row_ptr + cols, mask=in_row, other=0.0).to(tl.float32)
-            z, t = _transform(raw, logit_scale, softcap, inv_temperature, HAS_SOFTCAP)
-            grad = tl.exp(z - lse) * p_scale - tl.where(cols == label, 1.0 - label_smoothing, 0.0)
-            if HAS_SMOOTHING:
-                grad -= label_smoothing / vocab_size
-            grad = grad * (logit_scale * inv_temperature * valid_scale)
-            if HAS_SOFTCAP:
-                grad = grad * (1.0 - t * t)
-            tl.store(row_ptr + cols, grad.to(logits_ptr.dtype.element_ty), mask=in_row)
+        for start in range(0, full_end, BLOCK_V):
+            _grad_block(
+                row_ptr, start + tl.arange(0, BLOCK_V), vocab_size, lse, p_scale, raw_scale, logit_scale, softcap,
+                inv_temperature, label_smoothing, HAS_SOFTCAP, HAS_SMOOTHING, False,
+            )  # fmt: skip
+        if full_end < vocab_size:
+            _grad_block(
+                row_ptr, full_end + tl.arange(0, BLOCK_V), vocab_size, lse, p_scale, raw_scale, logit_scale, softcap,
+                inv_temperature, label_smoothing, HAS_SOFTCAP, HAS_SMOOTHING, True,
+            )  # fmt: skip
+        # The target's element, with its -(1 - label_smoothing), over what the loop wrote there; the
+        # barrier orders this store after every thread's stores of the loop.
+        tl.debug_barrier()
+        target_grad = tl.exp(target_z - lse) * p_scale - (1.0 - label_smoothing)
+        if HAS_SMOOTHING:
+            target_grad -= label_smoothing / vocab_size
+        target_grad = target_grad * raw_scale
+        if HAS_SOFTCAP:
+            target_grad = target_grad * (1.0 - target_t * target_t)
+        tl.store(row_ptr + safe_label, target_grad.to(logits_ptr.dtype.element_ty), mask=label_in_row)
 
 
 @triton.jit
