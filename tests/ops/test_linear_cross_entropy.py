@@ -12,6 +12,7 @@ import torch
 
 from lce_patch import fused_linear_cross_entropy, fused_linear_log_probs
 from lce_patch.ops.linear_cross_entropy import naive_linear_cross_entropy, naive_token_outputs
+from lce_patch.ops.linear_cross_entropy.rows import _BLOCK_V_STATS as BLOCK
 from lce_patch.ops.linear_cross_entropy.rows import triton_usable
 
 # CPU tests; tests/ops/test_cuda.py reruns the reference checks on a GPU.
@@ -131,13 +132,13 @@ def test_skipping_ignored_rows_of_token_outputs(backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("vocab_size", [64, 2048, 2049, 4196])
+@pytest.mark.parametrize("vocab_size", [64, BLOCK, BLOCK + 1, 2 * BLOCK + 100])
 @pytest.mark.parametrize("options", [{}, {"softcap": 3.0, "label_smoothing": 0.1}, {"reduction": "none"}], ids=str)
 def test_vocab_sizes_at_the_kernel_block_edges(backend, vocab_size, options):
-    """The Triton row pass runs full 2048-wide blocks unmasked and a masked tail (none when V is a
+    """The Triton row pass runs full BLOCK-wide blocks unmasked and a masked tail (none when V is a
     multiple of the block); targets in the first, last and tail columns."""
     hidden, weight, labels, _ = make_inputs(n=12, d=8, v=vocab_size, ignore_every=4)
-    labels[1], labels[2], labels[3] = 0, vocab_size - 1, min(2048, vocab_size - 1)
+    labels[1], labels[2], labels[3] = 0, vocab_size - 1, min(BLOCK, vocab_size - 1)
     ref = naive_linear_cross_entropy(hidden.requires_grad_(), weight.requires_grad_(), labels, **options)
     upstream = torch.rand_like(ref) + 0.5
     ref_grads = torch.autograd.grad(ref, [hidden, weight], upstream)

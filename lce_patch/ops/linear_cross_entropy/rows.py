@@ -23,9 +23,13 @@ except ImportError:  # pragma: no cover - depends on the platform
     _kernels = None
     HAS_TRITON = False
 
-# Vocabulary block per program iteration: the stats kernel keeps six fp32 per-lane accumulators,
-# 2048 lanes at 8 warps is 8 registers per thread for each.
-_BLOCK_V_STATS = 2048
+# Vocabulary block per program iteration of the stats kernel (8 warps, one program per row): it keeps
+# up to five fp32 per-lane accumulators, 16 registers per thread each at 4096 lanes. On the H100 the
+# pass with the gradient ran 3-10% faster at 4096 than at 2048 lanes (2.7 vs 2.5 TB/s on 1008-row
+# chunks of the Llama-3, Qwen2.5 and Gemma-2 vocabularies), and fewer, row-looping programs were
+# slower (benchmarks/NOTES.md, v10).
+_BLOCK_V_STATS = 4096
+_STATS_NUM_WARPS = 8
 _BLOCK_V_GRAD = 4096
 # Softcapped logits satisfy |z| <= softcap / temperature; up to this bound the stats kernel takes its
 # exponentials against the bound instead of a running max (exp(-2 * 40) is still a normal fp32).
@@ -199,7 +203,7 @@ def _triton_chunk_stats(
         WANT_MEAN_LOGIT=out.mean_logit is not None,
         WRITE_GRAD=grad_scale is not None,
         BLOCK_V=min(_BLOCK_V_STATS, _next_power_of_2(vocab_size)),
-        num_warps=8,
+        num_warps=_STATS_NUM_WARPS,
         **_kernel_scalars(transform),
     )
 
