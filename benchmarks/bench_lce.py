@@ -15,11 +15,12 @@ Per method and shape:
     run, and the workload's own cuBLAS GEMMs at full N (logits h.W^T, dh = G.W, dW = G^T.h; no dW when
     frozen): "% floor" = floor / time.
 
-Methods: lce_patch (backend triton, default chunking; ``--chunk-sizes`` adds a sweep), lce_patch_skip
+Methods: lce_patch (backend triton, default chunking), lce_patch_skip
 (the same with skip_ignored=True: matmuls on the non-ignored rows only, given the count of those rows as
 a patched model is: it starts the count before the decoder runs, so reading it stalls nothing; here it is
 taken once outside the timed region), lce_patch_skip_sync (opt-in: the op counts the rows itself, a
-host sync inside the timed region), unfused (F.linear,
+host sync inside the timed region), lce_patch_skip[c=N] (``--chunk-sizes``: lce_patch_skip with
+chunk_size=N), unfused (F.linear,
 float, F.cross_entropy; softcap in bf16 as Hugging Face does), compile (torch.compile of unfused), liger
 (LigerFusedLinearCrossEntropyLoss 0.8.5), cce (cut_cross_entropy.linear_cross_entropy, default filter),
 cce_nofilter (filter_eps=None, opt-in), lce_patch_tokens (opt-in: per-token log-probs, entropy and
@@ -112,16 +113,17 @@ def build(method: str, h, w, y, softcap):
 
         # The op counts the non-ignored labels itself: a host sync inside the timed region.
         return lambda: fused_linear_cross_entropy(h, w, y, softcap=softcap, backend="triton", skip_ignored=True)
-    if method == "lce_patch_skip":
+    if method == "lce_patch_skip" or method.startswith("lce_patch_skip[c="):
         from lce_patch import fused_linear_cross_entropy
         from lce_patch.ops.linear_cross_entropy.functional import start_valid_token_count
 
+        chunk = int(method[len("lce_patch_skip[c=") : -1]) if "[" in method else None
         # What a patched model runs: the count of non-ignored labels is started before the decoder
         # (start_valid_token_count) and read after it, so it stalls nothing; here it is taken once,
         # outside the timed region (the labels do not change between calls).
         n_valid = start_valid_token_count(y, IGNORE)()
         return lambda: fused_linear_cross_entropy(
-            h, w, y, softcap=softcap, backend="triton", skip_ignored=True, num_valid_tokens=n_valid
+            h, w, y, softcap=softcap, backend="triton", skip_ignored=True, num_valid_tokens=n_valid, chunk_size=chunk
         )
     if method == "lce_patch_tokens":
         from lce_patch import fused_linear_log_probs
@@ -229,7 +231,7 @@ def run_method(method, h, w, y, softcap, ref, args) -> dict:
             fn().backward()
 
         row["ms_rounds"] = [bench_ms(step, args, grad_to_none=[h, w])]
-        if method in FWD_ONLY or method.startswith("lce_patch["):
+        if method in FWD_ONLY or "[c=" in method:
             with torch.no_grad():
                 fn()
                 row["fwd_ms_rounds"] = [bench_ms(fn, args)]
@@ -373,7 +375,7 @@ def main(argv=None) -> int:
     p.add_argument("--shapes", default=",".join(SHAPES), help=f"comma list from: {', '.join(SHAPES)}")
     p.add_argument("--data", choices=("flat", "peaked", "both"), default="both")
     p.add_argument("--methods", default=",".join(METHODS), help=f"from {METHODS + OPTIONAL_METHODS}")
-    p.add_argument("--chunk-sizes", default="", help="comma list of lce_patch chunk_size values to add")
+    p.add_argument("--chunk-sizes", default="", help="comma list of chunk_size values: adds lce_patch_skip[c=...] rows")
     p.add_argument("--quick", action="store_true", help="llama3-8b and gemma2-2b, peaked data only")
     p.add_argument("--warmup", type=float, default=25, help="do_bench warm-up, ms")
     p.add_argument("--rep", type=float, default=100, help="do_bench repetition window, ms (at least)")
@@ -393,7 +395,7 @@ def main(argv=None) -> int:
     bad = [m for m in methods if m not in METHODS + OPTIONAL_METHODS]
     if unknown or bad:
         p.error(f"unknown shapes {unknown} / methods {bad}")
-    methods += [f"lce_patch[c={int(c)}]" for c in args.chunk_sizes.split(",") if c]
+    methods += [f"lce_patch_skip[c={int(c)}]" for c in args.chunk_sizes.split(",") if c]
     datas = ["peaked", "flat"] if args.data == "both" else [args.data]
     if not torch.cuda.is_available():
         print("bench_lce.py needs a CUDA device", file=sys.stderr)
