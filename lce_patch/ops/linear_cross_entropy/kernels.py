@@ -30,11 +30,11 @@ token) and swaps its term inside the sum of exponentials. On the H100 this took 
 error from ~6e-5 to ~2e-6 relative to fp32 (benchmarks/NOTES.md, v5). The gradient keeps the
 buffer's own softmax, which is what the GEMMs consume.
 When ``WRITE_GRAD`` is set, a second pass overwrites the buffer in place with the gradient above
-(the target's ``-(1 - eps)`` term in one store after the loop),
-times the reduction factor read from device memory (1/n_valid or 1/num_items_in_batch for a
-valid row, 0 for an ignored one), exactly where the unfused path applies it: scaling a bf16 dh or
-dW afterwards would round it a second time. The second pass re-reads a row the first just
-streamed, mostly from L2.
+(the target's ``-(1 - eps)`` term in one store after the loop, behind a barrier), times the
+reduction factor read from device memory (1/n_valid or 1/num_items_in_batch for a valid row, 0 for
+an ignored one), exactly where the unfused path applies it: scaling a bf16 dh or dW afterwards would
+round it a second time. The second pass re-reads the row from HBM: one program per row keeps more
+rows in flight than L2 holds, and fewer programs looping over rows measured slower (NOTES v10).
 
 ``_grad_kernel`` (a 2-D grid over rows and vocab blocks) is the backward of per-token outputs:
 it takes the saved ``lse`` and entropy and per-row upstream gradients of the loss and of the
@@ -43,9 +43,10 @@ entropy, and overwrites the recomputed buffer with their combined gradient::
     dH/dz_j = -p_j * (z_j - lse + H)        (H = entropy)
 
 Memory: the ``[C, V]`` buffer (compute dtype) plus a few fp32 vectors of length C; nothing
-proportional to N x V. FLOPs: ~10 per logit per pass (exp, optional tanh from one more exp and a division), which is
-negligible next to the 2*D FLOPs per logit of each GEMM; both kernels are bound by memory
-bandwidth: 2 reads + 1 write of the buffer (stats + gradient), or 1 read + 1 write (grad kernel).
+proportional to N x V. FLOPs: ~10 per logit per pass (exp; with a softcap, tanh from one more exp
+and a division), negligible next to the 2*D FLOPs per logit of each GEMM; both kernels are bound by
+memory bandwidth: 2 reads + 1 write of the buffer (stats + gradient), or 1 read + 1 write (grad
+kernel). On the H100 the stats + gradient pass streams ~2.7 TB/s (NOTES v10).
 No atomics, so results are deterministic run to run.
 """
 
@@ -60,9 +61,9 @@ def _transform(raw, logit_scale, softcap, inv_temperature, HAS_SOFTCAP: tl.const
     """Final logit from the GEMM output; also returns tanh (for the softcap derivative)."""
     if HAS_SOFTCAP:
         # tanh(x) = 1 - 2 / (1 + exp(2x)), with x = logit_scale * raw / softcap: one exponential and
-        # one division per logit (Triton's fp32 division is the 2-ulp div.full). The softcapped row
-        # pass is bound by the special function unit; this is one op fewer than a sigmoid of a quotient. exp(2x) = inf gives
-        # t = 1 exactly, exp(2x) = 0 gives t = -1, NaN stays NaN.
+        # one division per logit (Triton's fp32 division is the 2-ulp div.full), one op fewer than a
+        # sigmoid of a quotient; ~1 ms less per Gemma-2 step (NOTES v10). exp(2x) = inf gives t = 1
+        # exactly, exp(2x) = 0 gives t = -1, NaN stays NaN.
         t = 1.0 - 2.0 / (1.0 + tl.exp(raw * (2.0 * logit_scale / softcap)))
         z = t * (softcap * inv_temperature)
     else:
