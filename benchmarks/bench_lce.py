@@ -114,7 +114,7 @@ def build(method: str, h, w, y, softcap):
         return lambda: fused_linear_cross_entropy(h, w, y, softcap=softcap, backend="triton", skip_ignored=True)
     if method == "lce_patch_skip" or method.startswith("lce_patch_skip[c="):
         from lce_patch import fused_linear_cross_entropy
-        from lce_patch.ops.linear_cross_entropy.functional import start_valid_token_count
+        from lce_patch.ops import start_valid_token_count
 
         chunk = int(method[len("lce_patch_skip[c=") : -1]) if "[" in method else None
         # What a patched model runs: the count of non-ignored labels is started before the decoder
@@ -126,7 +126,7 @@ def build(method: str, h, w, y, softcap):
         )
     if method == "lce_patch_tokens":
         from lce_patch import fused_linear_log_probs
-        from lce_patch.ops.linear_cross_entropy.functional import start_valid_token_count
+        from lce_patch.ops import start_valid_token_count
 
         n_valid = start_valid_token_count(y, IGNORE)()  # as the TRL integration does, before the decoder
 

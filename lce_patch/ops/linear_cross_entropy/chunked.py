@@ -164,23 +164,21 @@ def _scatter_rows(out: RowOutputs, row_index: torch.Tensor, total_rows: int) -> 
 
 
 def _uniform_factor(
-    grad_loss: torch.Tensor,
-    labels: torch.Tensor,
-    row_index: torch.Tensor | None,
-    ignore_index: int,
-    precompute_scale: torch.Tensor,
+    grad_loss: torch.Tensor, labels: torch.Tensor, ignore_index: int, precompute_scale: torch.Tensor
 ) -> torch.Tensor | None:
     """``g / precompute_scale`` (0-d) when every non-ignored row got the same upstream gradient ``g``, else None.
 
-    One host sync: whether the precomputed gradients apply decides which kernels to launch.
+    ``grad_loss`` and ``labels`` are of the same rows. One host sync: whether the precomputed
+    gradients apply decides which kernels to launch.
     """
     grad_loss = grad_loss.reshape(-1)
-    valid_grads = grad_loss.index_select(0, row_index) if row_index is not None else grad_loss[labels != ignore_index]
-    if valid_grads.numel() == 0:
+    if grad_loss.numel() == 0:
         return torch.zeros((), dtype=torch.float32, device=grad_loss.device)
-    if not bool((valid_grads == valid_grads[0]).all()):
+    valid = labels != ignore_index
+    first = grad_loss.index_select(0, valid.int().argmax().view(1))  # the first valid row's (row 0 if none)
+    if not bool(((grad_loss == first) | ~valid).all()):
         return None
-    return valid_grads[0].float() / precompute_scale
+    return torch.where(valid.any(), first[0].float() / precompute_scale, 0.0)
 
 
 def _rescaled(grad: torch.Tensor | None, factor: torch.Tensor, use_triton: bool) -> torch.Tensor | None:
@@ -277,6 +275,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             if grads is not None:
                 grads.add(raw, hidden_chunk, rows)
         del buffer, gathered
+        processed = out  # the processed rows' outputs, which a recompute in backward needs
         if row_index is not None and not scalar_loss:
             out = _scatter_rows(out, row_index, total_rows)
 
@@ -307,8 +306,9 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             precomputed = (None, None, None, None)
             if precompute:
                 precomputed = (*grads.results(weight.dtype, bias.dtype if bias is not None else None), grad_scale)
+            saved_entropy = processed.entropy if want_entropy else processed.lse  # a placeholder without entropy
             ctx.save_for_backward(
-                hidden, weight, bias, labels, out.lse, out.entropy if want_entropy else out.lse, row_index, *precomputed
+                hidden, weight, bias, row_labels, processed.lse, saved_entropy, row_index, *precomputed
             )
             ctx.has_entropy = want_entropy
             ctx.precomputed = precompute
@@ -338,12 +338,18 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
 
     @staticmethod
     def _recompute_backward(ctx, grad_loss, grad_entropy):
+        # labels, lse and entropy are of the processed rows (row_index, or all)
         hidden, weight, bias, labels, lse, entropy, row_index, *precomputed = ctx.saved_tensors
         if not ctx.has_entropy:
             grad_entropy = None
+        if row_index is not None:  # only the processed rows have gradients
+            if grad_loss is not None:
+                grad_loss = grad_loss.reshape(-1).index_select(0, row_index)
+            if grad_entropy is not None:
+                grad_entropy = grad_entropy.reshape(-1).index_select(0, row_index)
         if ctx.precomputed and grad_entropy is None and grad_loss is not None:
             ctx.precomputed = False  # scaled in place below: a second backward recomputes instead
-            factor = _uniform_factor(grad_loss, labels, row_index, ctx.transform.ignore_index, precomputed[3])
+            factor = _uniform_factor(grad_loss, labels, ctx.transform.ignore_index, precomputed[3])
             if factor is not None:
                 return (*(_rescaled(grad, factor, ctx.use_triton) for grad in precomputed[:3]), *(None,) * 9)
         vocab_size = weight.shape[0]
@@ -351,13 +357,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         grads = _GradAccumulator(hidden, weight, bias, needs_hidden, needs_weight, needs_bias, row_index is not None)
         grad_loss = grad_loss.float().contiguous() if grad_loss is not None else None
         grad_entropy = grad_entropy.float().contiguous() if grad_entropy is not None else None
-        if row_index is not None:  # only the selected rows have gradients
-            labels, lse, entropy = (t.index_select(0, row_index) for t in (labels, lse, entropy))
-            if grad_loss is not None:
-                grad_loss = grad_loss.index_select(0, row_index)
-            if grad_entropy is not None:
-                grad_entropy = grad_entropy.index_select(0, row_index)
-        num_rows = hidden.shape[0] if row_index is None else row_index.shape[0]
+        num_rows = labels.shape[0]
         if (grad_loss is not None or grad_entropy is not None) and num_rows > 0:
             chunk_rows = ctx.chunk_rows
             buffer = torch.empty(min(chunk_rows, num_rows), vocab_size, dtype=hidden.dtype, device=hidden.device)

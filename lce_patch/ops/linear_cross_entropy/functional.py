@@ -94,27 +94,28 @@ def _check_labels(labels: torch.Tensor, vocab_size: int, ignore_index: int) -> N
         )
 
 
-def _selected_rows(labels: torch.Tensor, ignore_index: int, num_valid_tokens: int | None) -> torch.Tensor | None:
-    """Indices (int64, ascending) of the rows whose label is not ignored, or None when every row counts.
+def _selected_rows(valid: torch.Tensor, num_valid_tokens: int | None) -> torch.Tensor | None:
+    """Indices (int64, ascending) of the rows whose label is not ignored (``valid``: bool [N]), or None
+    when every row counts.
 
     The GEMMs are sized on the host, so the count must be known there: ``num_valid_tokens`` when the
     caller has it (checked on the device, no sync), else one host sync here.
     """
-    valid = labels != ignore_index
     if num_valid_tokens is None:
         num_valid = int(valid.sum())  # the one host sync of skip_ignored=True
     else:
         num_valid = num_valid_tokens
-        if labels.device.type == "cpu":
-            if int(valid.sum()) != num_valid:
-                _fail(f"num_valid_tokens={num_valid} but {int(valid.sum())} labels are not ignore_index")
+        if valid.device.type == "cpu":
+            counted = int(valid.sum())
+            if counted != num_valid:
+                _fail(f"num_valid_tokens={num_valid} but {counted} labels are not ignore_index")
         else:
             torch._assert_async(
                 valid.sum() == num_valid,
                 "fused_linear_cross_entropy: num_valid_tokens differs from the number of labels that are not "
                 "ignore_index",
             )
-    if num_valid == labels.shape[0]:
+    if num_valid == valid.shape[0]:
         return None
     # A stable sort puts the valid rows first, in order; no nonzero() (it would sync).
     return torch.argsort((~valid).to(torch.uint8), stable=True)[:num_valid]
@@ -219,14 +220,14 @@ def _run(
     _check_labels(labels, vocab_size, ignore_index)
     if num_valid_tokens is not None and num_valid_tokens > labels.shape[0]:
         _fail(f"num_valid_tokens={num_valid_tokens} exceeds the number of tokens ({labels.shape[0]})")
+    valid = labels != ignore_index
     row_index = None
     if skip_ignored or num_valid_tokens is not None:
-        row_index = _selected_rows(labels, ignore_index, num_valid_tokens)
+        row_index = _selected_rows(valid, num_valid_tokens)
 
     reduce_scale = None
     if reduce_scale_kind == "mean":
-        num_valid = (labels != ignore_index).sum()
-        reduce_scale = 1.0 / num_valid.clamp(min=1).float()
+        reduce_scale = 1.0 / valid.sum().clamp(min=1).float()
     elif reduce_scale_kind == "sum":
         reduce_scale = torch.ones((), dtype=torch.float32, device=hidden.device)
     elif reduce_scale_kind == "items":
@@ -270,7 +271,7 @@ def _run(
         )
     if reduce_scale is None:
         loss = loss.view(out_shape)
-    return loss, entropy, is_top1, labels.view(out_shape) != ignore_index
+    return loss, entropy, is_top1, valid.view(out_shape)
 
 
 def fused_linear_cross_entropy(
