@@ -399,6 +399,21 @@ def test_is_top1_when_target_is_the_argmax(backend):
     assert torch.equal(out.is_top1, logits.argmax(-1) == labels)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("first, second", [(8, 11), (3, 4100), (4100, 4101)], ids=str)
+def test_is_top1_breaks_ties_at_the_first_index_like_argmax(backend, first, second):
+    """Two equal maximal logits: only the first counts as the argmax (torch.argmax's rule), whether
+    they share a lane of the Triton kernel (8 consecutive logits), sit in different blocks, or in the
+    masked tail block."""
+    generator = torch.Generator().manual_seed(first + second)
+    hidden = torch.rand(6, 8, generator=generator) + 0.5
+    weight = torch.randn(4104, 8, generator=generator) * 0.1
+    weight[first] = weight[second] = 3.0
+    labels = torch.tensor([first, second] * 3)
+    out = fused_linear_log_probs(hidden, weight, labels, return_is_top1=True, backend=backend)
+    assert torch.equal(out.is_top1, torch.tensor([True, False] * 3))
+
+
 # --------------------------------------------------------------------------- bad input
 
 

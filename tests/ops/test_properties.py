@@ -74,10 +74,11 @@ def test_random_problems_match_reference(backend, dtype, problem):
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("where", ["hidden", "weight"])
 @pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf])
-@pytest.mark.parametrize("vocab_size, bad_row", [(17, 2), (17, 0), (2100, 5), (2100, 2060)])
+@pytest.mark.parametrize("vocab_size, bad_row", [(17, 2), (17, 0), (17, 16), (2100, 5), (2100, 2060)])
 def test_non_finite_input_gives_nan_like_the_unfused_path(backend, where, value, vocab_size, bad_row):
-    # bad_row: the hidden row or vocabulary entry hit; 2100 spans two blocks of the Triton kernel's
-    # lanes, so the bad logit is the first value its lane sees (5) or comes after finite ones (2060).
+    # bad_row: the hidden row or vocabulary entry hit. The Triton kernel's lanes hold 8 consecutive
+    # logits: at 17 the bad logit 16 shares its lane only with padding; at 2100 it is the first value
+    # its lane sees (5) or comes after finite ones (2060).
     generator = torch.Generator().manual_seed(vocab_size + bad_row)
     hidden = torch.randn(9, 8, generator=generator)
     weight = torch.randn(vocab_size, 8, generator=generator)

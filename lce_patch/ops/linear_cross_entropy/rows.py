@@ -31,6 +31,11 @@ except ImportError:  # pragma: no cover - depends on the platform
 _BLOCK_V_STATS = 4096
 _STATS_NUM_WARPS = 8
 _BLOCK_V_GRAD = 4096
+# Consecutive logits per lane of the stats kernel (one running max per lane). 8 took the forward-only
+# pass 124 -> 101 us per 1008-row chunk of the Llama-3 vocabulary (Qwen2.5 144 -> 118, Gemma-2 253 ->
+# 238) and the pass with the gradient 282 -> 274 (Qwen2.5 334 -> 324), but Gemma-2's bounded-exponent
+# pass with the gradient 571 -> 588: that case keeps one logit per lane (NOTES v11).
+_LANE_GROUP = 8
 # Softcapped logits satisfy |z| <= softcap / temperature; up to this bound the stats kernel takes its
 # exponentials against the bound instead of a running max (exp(-2 * 40) is still a normal fp32).
 _FIXED_MAX_LIMIT = 40.0
@@ -183,6 +188,7 @@ def _triton_chunk_stats(
     # |z| <= softcap / temperature: the kernel's bounded-exponent path when that bound is small enough.
     fixed_max = None if transform.softcap is None else transform.softcap / transform.temperature
     use_fixed_max = fixed_max is not None and fixed_max <= _FIXED_MAX_LIMIT
+    block_v = min(_BLOCK_V_STATS, _next_power_of_2(vocab_size))
     _kernels._stats_kernel[(rows,)](
         raw,
         raw.stride(0),
@@ -202,7 +208,8 @@ def _triton_chunk_stats(
         WANT_TOP1=out.is_top1 is not None,
         WANT_MEAN_LOGIT=out.mean_logit is not None,
         WRITE_GRAD=grad_scale is not None,
-        BLOCK_V=min(_BLOCK_V_STATS, _next_power_of_2(vocab_size)),
+        BLOCK_V=block_v,
+        LANE_GROUP=1 if use_fixed_max and grad_scale is not None else min(_LANE_GROUP, block_v),
         num_warps=_STATS_NUM_WARPS,
         **_kernel_scalars(transform),
     )
