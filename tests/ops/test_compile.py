@@ -1,0 +1,143 @@
+"""Every kernel variant the op launches compiles for the H100 (sm_90), checked on a machine without a GPU.
+
+The CPU interpreter runs the kernels' Python, not Triton's compiler, which rejects things the
+interpreter accepts (a helper returning different shapes from constexpr branches, say). Here the
+op runs under the interpreter with each launch recorded, and every distinct variant is then compiled
+for sm_90 down to a cubin with the same argument types, specializations and num_warps (in a
+subprocess: under the interpreter the kernels are not compilable objects).
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from lce_patch import fused_linear_cross_entropy, fused_linear_log_probs
+from lce_patch.ops.linear_cross_entropy import rows
+
+triton = pytest.importorskip("triton")
+if os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("records launches under the CPU interpreter", allow_module_level=True)
+
+_POINTER_TYPES = {
+    torch.float32: "*fp32",
+    torch.bfloat16: "*bf16",
+    torch.float16: "*fp16",
+    torch.int64: "*i64",
+    torch.int32: "*i32",
+    torch.int8: "*i8",
+}
+
+
+class _Recorder:
+    def __init__(self, kernel, launches):
+        self.kernel, self.launches = kernel, launches
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.launches.append((self.kernel, args, kwargs))
+            return self.kernel[grid](*args, **kwargs)
+
+        return launch
+
+
+class _RecordingKernels:
+    def __init__(self, module, launches):
+        self.module, self.launches = module, launches
+
+    def __getattr__(self, name):
+        value = getattr(self.module, name)
+        return _Recorder(value, self.launches) if hasattr(value, "fn") else value
+
+
+def _variant(kernel, args, kwargs):
+    """(kernel, signature, constexprs, num_warps) as the launcher would specialize them."""
+    names = list(inspect.signature(kernel.fn).parameters)
+    bound = dict(zip(names, args))
+    bound.update({k: v for k, v in kwargs.items() if k in names})
+    signature, constexprs = {}, {}
+    for index, name in enumerate(names):
+        value = bound[name]
+        annotation = kernel.fn.__annotations__.get(name)
+        if isinstance(value, torch.Tensor):
+            signature[name] = _POINTER_TYPES[value.dtype]
+        elif annotation is not None and "constexpr" in str(annotation) or isinstance(value, bool):
+            signature[name], constexprs[(index,)] = "constexpr", value
+        elif isinstance(value, int) and value == 1:  # Triton specializes integers equal to 1
+            signature[name], constexprs[(index,)] = "constexpr", 1
+        elif isinstance(value, int):
+            signature[name] = "i64" if abs(value) >= 2**31 else "i32"
+        else:
+            signature[name] = "fp32"
+    return kernel, signature, constexprs, kwargs.get("num_warps", 4)
+
+
+def _record(monkeypatch) -> list:
+    launches = []
+    monkeypatch.setattr(rows, "_kernels", _RecordingKernels(rows._kernels, launches))
+    return launches
+
+
+def _run_ops(dtype):
+    generator = torch.Generator().manual_seed(0)
+    hidden = torch.randn(80, 16, generator=generator).to(dtype).requires_grad_()
+    weight = torch.randn(200, 16, generator=generator).to(dtype).requires_grad_()
+    labels = torch.randint(0, 200, (80,), generator=generator)
+    labels[::5] = -100
+    for options in ({}, {"softcap": 30.0}, {"softcap": 100.0, "label_smoothing": 0.1, "z_loss": 1e-4}):
+        fused_linear_cross_entropy(hidden, weight, labels, backend="triton", chunk_size=64, **options).backward()
+        fused_linear_cross_entropy(
+            hidden, weight, labels, backend="triton", reduction="none", **options
+        ).sum().backward()
+        with torch.no_grad():
+            fused_linear_cross_entropy(hidden, weight, labels, backend="triton", **options)
+        out = fused_linear_log_probs(
+            hidden, weight, labels, backend="triton", return_entropy=True, return_is_top1=True, skip_ignored=True,
+            precompute_grad=True, softcap=options.get("softcap"),
+        )  # fmt: skip
+        (out.log_probs.sum() + out.entropy.sum()).backward()
+
+
+def test_every_launched_kernel_variant_compiles_for_sm90(monkeypatch):
+    launches = _record(monkeypatch)
+    _run_ops(torch.bfloat16)
+    variants = {}
+    for kernel, args, kwargs in launches:
+        variant = _variant(kernel, args, kwargs)
+        key = (kernel.fn.__name__, tuple(variant[1].items()), tuple(sorted(variant[2].items())), variant[3])
+        variants[key] = variant
+    names = {key[0] for key in variants}
+    assert {"_stats_kernel", "_grad_kernel", "_target_logit_kernel", "_scale_inplace_kernel"} <= names
+    payload = [
+        {"kernel": kernel.fn.__name__, "signature": signature, "constexprs": [[k[0], v] for k, v in constexprs.items()],
+         "num_warps": num_warps}
+        for kernel, signature, constexprs, num_warps in variants.values()
+    ]  # fmt: skip
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    result = subprocess.run(
+        [sys.executable, "-c", _COMPILE_SCRIPT], input=json.dumps(payload), env=env, capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert result.stdout.count("compiled ") == len(payload), result.stdout
+
+
+_COMPILE_SCRIPT = """
+import json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from lce_patch.ops.linear_cross_entropy import kernels
+
+for variant in json.load(sys.stdin):
+    kernel = getattr(kernels, variant["kernel"])
+    constexprs = {(index,): value for index, value in variant["constexprs"]}
+    source = triton.compiler.ASTSource(fn=kernel, signature=variant["signature"], constexprs=constexprs)
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": variant["num_warps"]})
+    assert compiled.asm.get("cubin"), variant["kernel"]
+    print("compiled", variant["kernel"])
+"""
