@@ -166,6 +166,24 @@ def test_chunk_size_does_not_change_the_result(backend, chunk_size):
     check_against_reference({"softcap": 4.0}, backend=backend, chunk_size=chunk_size)
 
 
+def test_default_chunk_rows_fill_the_gpu_for_thin_hidden_sizes():
+    from lce_patch.ops.linear_cross_entropy.chunked import default_chunk_rows
+
+    def rows(num_rows, hidden_size, vocab_size, num_sms=132):
+        return default_chunk_rows(num_rows, vocab_size, torch.bfloat16, True, hidden_size, num_sms)
+
+    # H100 (132 SMs): Gemma-2 (D = 2304) gets 1792-row chunks (7022 rows: 4 chunks), Qwen2.5 and
+    # Llama-3 the 1024-row floor; chunks are whole multiples of 128 rows.
+    assert rows(7022, 2304, 256000) == 1792
+    assert rows(8192, 2304, 256000) == 1664  # 5 chunks as even as multiples of 128 allow
+    assert rows(7022, 3584, 152064) == 1024
+    assert rows(7022, 4096, 128256) == 1024
+    assert rows(1000, 2304, 256000) == 1000  # never more rows than there are
+    assert rows(7022, 2304, 256000, num_sms=None) == 1024  # unknown GPU: the 1024-row floor only
+    assert rows(70001, 4096, 128256) == 4480  # at most 16 bf16 roundings of dW: 16 chunks
+    assert default_chunk_rows(7022, 256000, torch.bfloat16, False, 2304, 132) < 1024  # torch backend: budget
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_half_precision(backend):
     # fp16 operands: logits carry ~2^-11 relative rounding, so loss and gradients agree to ~1e-3.
