@@ -57,7 +57,7 @@ class _RecordingKernels:
 
 
 def _variant(kernel, args, kwargs):
-    """(kernel, signature, constexprs, num_warps) as the launcher would specialize them."""
+    """(signature, constexprs, num_warps) of one launch, specialized as Triton's launcher would."""
     names = list(inspect.signature(kernel.fn).parameters)
     bound = dict(zip(names, args))
     bound.update({k: v for k, v in kwargs.items() if k in names})
@@ -75,19 +75,14 @@ def _variant(kernel, args, kwargs):
             signature[name] = "i64" if abs(value) >= 2**31 else "i32"
         else:
             signature[name] = "fp32"
-    return kernel, signature, constexprs, kwargs.get("num_warps", 4)
+    return signature, constexprs, kwargs.get("num_warps", 4)
 
 
-def _record(monkeypatch) -> list:
-    launches = []
-    monkeypatch.setattr(rows, "_kernels", _RecordingKernels(rows._kernels, launches))
-    return launches
-
-
-def _run_ops(dtype):
+def _run_ops():
+    """bf16 calls of every kind the kernels are launched for (on the GPU the buffers are bf16 too)."""
     generator = torch.Generator().manual_seed(0)
-    hidden = torch.randn(80, 16, generator=generator).to(dtype).requires_grad_()
-    weight = torch.randn(200, 16, generator=generator).to(dtype).requires_grad_()
+    hidden = torch.randn(80, 16, generator=generator).to(torch.bfloat16).requires_grad_()
+    weight = torch.randn(200, 16, generator=generator).to(torch.bfloat16).requires_grad_()
     labels = torch.randint(0, 200, (80,), generator=generator)
     labels[::5] = -100
     for options in ({}, {"softcap": 30.0}, {"softcap": 100.0, "label_smoothing": 0.1, "z_loss": 1e-4}):
@@ -105,20 +100,22 @@ def _run_ops(dtype):
 
 
 def test_every_launched_kernel_variant_compiles_for_sm90(monkeypatch):
-    launches = _record(monkeypatch)
-    _run_ops(torch.bfloat16)
-    variants = {}
+    launches = []
+    monkeypatch.setattr(rows, "_kernels", _RecordingKernels(rows._kernels, launches))
+    _run_ops()
+    payload = {}
     for kernel, args, kwargs in launches:
-        variant = _variant(kernel, args, kwargs)
-        key = (kernel.fn.__name__, tuple(variant[1].items()), tuple(sorted(variant[2].items())), variant[3])
-        variants[key] = variant
-    names = {key[0] for key in variants}
+        signature, constexprs, num_warps = _variant(kernel, args, kwargs)
+        variant = {
+            "kernel": kernel.fn.__name__,
+            "signature": signature,
+            "constexprs": [[index[0], value] for index, value in constexprs.items()],
+            "num_warps": num_warps,
+        }
+        payload[json.dumps(variant, sort_keys=True)] = variant
+    payload = list(payload.values())
+    names = {variant["kernel"] for variant in payload}
     assert {"_stats_kernel", "_grad_kernel", "_target_logit_kernel", "_scale_inplace_kernel"} <= names
-    payload = [
-        {"kernel": kernel.fn.__name__, "signature": signature, "constexprs": [[k[0], v] for k, v in constexprs.items()],
-         "num_warps": num_warps}
-        for kernel, signature, constexprs, num_warps in variants.values()
-    ]  # fmt: skip
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     result = subprocess.run(
         [sys.executable, "-c", _COMPILE_SCRIPT], input=json.dumps(payload), env=env, capture_output=True, text=True

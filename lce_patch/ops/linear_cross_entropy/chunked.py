@@ -68,25 +68,28 @@ def default_chunk_rows(
     the Triton path and, given ``hidden_size`` and the GPU's ``num_sms``, enough rows for the dh GEMM
     to fill the GPU, and few enough chunks that a bf16 dW is rounded at most ``MAX_BF16_DW_CHUNKS``
     times; then the fewest chunks of that size, made as even as multiples of 128 rows allow."""
+    tile = CHUNK_ROW_MULTIPLE
     element_size = torch.finfo(dtype).bits // 8
     bytes_per_row = vocab_size * (element_size if use_triton else element_size + _TORCH_TEMPORARIES_PER_LOGIT)
     budget = DEFAULT_LOGITS_BUDGET_BYTES if use_triton else TORCH_LOGITS_BUDGET_BYTES
     rows = budget // max(bytes_per_row, 1)
-    if rows >= 256:
-        rows = rows // 128 * 128  # GEMM-friendly multiples
+    if rows >= 2 * tile:
+        rows = rows // tile * tile
     if use_triton:
         rows = max(rows, MIN_DEFAULT_CHUNK_ROWS)
         if hidden_size and num_sms:
-            rows = max(rows, num_sms * GEMM_TILE_ELEMENTS // hidden_size // CHUNK_ROW_MULTIPLE * CHUNK_ROW_MULTIPLE)
+            rows = max(rows, num_sms * GEMM_TILE_ELEMENTS // hidden_size // tile * tile)
     if dtype == torch.bfloat16:
-        rows = max(rows, -(-num_rows // (MAX_BF16_DW_CHUNKS * 128)) * 128)
+        rows = max(rows, _round_up(-(-num_rows // MAX_BF16_DW_CHUNKS), tile))
     rows = int(max(1, min(rows, max(num_rows, 1))))
     chunks = -(-num_rows // rows)
-    if chunks > 1:
-        balanced = -(-num_rows // chunks)
-        multiple = CHUNK_ROW_MULTIPLE if use_triton else 16
-        rows = min(rows, -(-balanced // multiple) * multiple)
+    if chunks > 1:  # the fewest chunks of at most ``rows``, as even as whole tiles (16 rows on torch) allow
+        rows = min(rows, _round_up(-(-num_rows // chunks), tile if use_triton else 16))
     return rows
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
 
 
 def _matmul_into(out: torch.Tensor, hidden_chunk: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):

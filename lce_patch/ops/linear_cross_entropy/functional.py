@@ -245,10 +245,12 @@ def _run(
         grad_on and bias is not None and bias.requires_grad,
     )
     processed_rows = hidden_2d.shape[0] if row_index is None else row_index.shape[0]
-    num_sms = torch.cuda.get_device_properties(hidden.device).multi_processor_count if hidden.is_cuda else None
-    rows = chunk_size or default_chunk_rows(
-        processed_rows, vocab_size, hidden.dtype, use_triton, hidden_size=hidden.shape[-1], num_sms=num_sms
-    )
+    rows = chunk_size
+    if rows is None:
+        num_sms = torch.cuda.get_device_properties(hidden.device).multi_processor_count if hidden.is_cuda else None
+        rows = default_chunk_rows(
+            processed_rows, vocab_size, hidden.dtype, use_triton, hidden_size=hidden.shape[-1], num_sms=num_sms
+        )
     transform = LogitTransform(
         ignore_index=ignore_index,
         softcap=None if softcap is None else float(softcap),
