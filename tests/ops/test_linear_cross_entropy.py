@@ -131,6 +131,45 @@ def test_skipping_ignored_rows_of_token_outputs(backend):
     assert not h.grad[:, :4].any()  # ignored rows get exact zeros
 
 
+IGNORED_PATTERNS = {
+    "long_prompt": lambda n, gen: torch.arange(n) < n - 5,
+    "tail": lambda n, gen: torch.arange(n) >= 9,
+    "blocks": lambda n, gen: (torch.arange(n) // 4) % 2 == 0,
+    "random": lambda n, gen: torch.rand(n, generator=gen) < 0.5,
+    "one_kept": lambda n, gen: torch.arange(n) != n // 2,
+}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("pattern", sorted(IGNORED_PATTERNS))
+@pytest.mark.parametrize("chunk_size", [1, 3, 8])
+@pytest.mark.parametrize(("vocab_size", "reduction", "frozen_weight"), [(101, "mean", False), (11, "none", True)])
+def test_skipped_rows_are_gathered_into_dh_and_placed_back(
+    backend, pattern, chunk_size, vocab_size, reduction, frozen_weight
+):
+    # The chunk's rows of hidden are gathered into a stretch of dh that holds no finished row (see
+    # _GradAccumulator.gather_rows); ignored rows in every position relative to the chunks, and a
+    # vocabulary smaller than the hidden size (no room in G to stage dh's rows), must still give
+    # exact zeros for the ignored rows and the reference gradient elsewhere.
+    gen = torch.Generator().manual_seed(torch.randint(0, 2**31, ()).item())
+    hidden, weight, labels, _ = make_inputs(n=23, d=19, v=vocab_size, ignore_every=0, seed=int(gen.initial_seed()))
+    ignored = IGNORED_PATTERNS[pattern](23, gen)
+    labels[ignored] = -100
+    ref = naive_linear_cross_entropy(hidden.requires_grad_(), weight.requires_grad_(), labels, reduction=reduction)
+    upstream = torch.randn_like(ref) if reduction == "none" else torch.tensor(1.3, dtype=torch.float64)
+    ref_grads = torch.autograd.grad(ref, [hidden, weight], upstream)
+    h, w = leaf(hidden, torch.float32), leaf(weight, torch.float32, requires_grad=not frozen_weight)
+    out = fused_linear_cross_entropy(
+        h, w, labels, reduction=reduction, backend=backend, chunk_size=chunk_size, skip_ignored=True
+    )
+    out.backward(upstream.float())
+    assert rel_err(out, ref) < 1e-5
+    assert torch.equal(h.grad[ignored], torch.zeros_like(h.grad[ignored]))
+    assert rel_err(h.grad, ref_grads[0]) < 1e-5
+    if not frozen_weight:
+        assert rel_err(w.grad, ref_grads[1]) < 1e-5
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("vocab_size", [64, BLOCK, BLOCK + 1, 2 * BLOCK + 100])
 @pytest.mark.parametrize("options", [{}, {"softcap": 3.0, "label_smoothing": 0.1}, {"reduction": "none"}], ids=str)

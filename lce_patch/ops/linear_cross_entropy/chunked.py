@@ -19,7 +19,8 @@ Two gradient schedules:
   gradient is the same for every valid token (checked with one host sync), else it recomputes.
 
 Rows whose label is ignored can be left out (``row_index``: the rows to process): each chunk then
-gathers its rows of hidden, dh is scattered back, and per-row outputs are placed among zeros.
+gathers its rows of hidden (into a stretch of dh that holds no finished row yet, when dh is
+computed), dh is scattered back, and per-row outputs are placed among zeros.
 
 Memory above inputs and gradients: the one logits buffer plus O(N) fp32 vectors.
 """
@@ -113,14 +114,16 @@ def _addmm_fp32(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
 class _GradAccumulator:
     """dh rows, dW and dbias from chunk gradients ``G`` [C, V] (fp32 accumulation in each GEMM).
 
-    With ``rows_selected`` only some rows of hidden are processed: dh starts at zero and each chunk's
-    rows are written to their places."""
+    With ``rows_skipped`` (N - M when only M of the N rows of hidden are processed) dh starts at
+    zero and each chunk's rows are written to their places; the chunk's rows of hidden are gathered
+    into dh itself (:meth:`gather_rows`), so no separate [C, D] buffer is needed."""
 
-    def __init__(self, hidden, weight, bias, needs_hidden, needs_weight, needs_bias, rows_selected=False):
+    def __init__(self, hidden, weight, bias, needs_hidden, needs_weight, needs_bias, rows_skipped=None):
         self.weight = weight
         self.dh = None
+        self.rows_skipped = rows_skipped
         if needs_hidden:
-            make = torch.zeros if rows_selected else torch.empty
+            make = torch.empty if rows_skipped is None else torch.zeros
             self.dh = make(hidden.shape, dtype=hidden.dtype, device=hidden.device)
         # fp16 lacks the range to hold a sum over many tokens: accumulate its dW in fp32.
         # bf16 and fp32 add each chunk's GEMM result into dW in place (one rounding per chunk).
@@ -130,15 +133,35 @@ class _GradAccumulator:
         self.db = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if needs_bias else None
         self._dw_written = False
 
+    def gather_rows(self, hidden: torch.Tensor, rows: torch.Tensor, start: int) -> torch.Tensor:
+        """``hidden[rows]`` gathered into dh's rows ``[start + skipped, start + skipped + C)`` and
+        returned as that view; ``rows`` are the processed rows ``start .. start + C - 1`` (ascending).
+
+        Those dh rows hold no finished row yet: the j-th processed row lies at index
+        ``rows[j] <= j + skipped`` (at most ``skipped`` rows are left out before it), so every row
+        finished by an earlier chunk lies below ``start + skipped``. :meth:`add` then uses the same
+        rows for the chunk's dh and clears them before placing it."""
+        first = start + self.rows_skipped
+        return torch.index_select(hidden, 0, rows, out=self.dh[first : first + rows.shape[0]])
+
     def add(self, grad_chunk: torch.Tensor, hidden_chunk: torch.Tensor, rows: slice | torch.Tensor) -> None:
         """``rows``: the chunk's rows of hidden, a slice, or an index tensor (``hidden_chunk`` is then
-        the op's own gathered copy, which this overwrites)."""
+        the op's own gathered copy, from :meth:`gather_rows` when dh is kept, which this overwrites).
+        ``grad_chunk`` is used up: with an index tensor its memory stages the chunk's dh rows."""
         self._add_weight_grads(grad_chunk, hidden_chunk)
-        if self.dh is not None:
-            if isinstance(rows, slice):
-                torch.mm(grad_chunk, self.weight, out=self.dh[rows])
-            else:  # the gathered rows are used up: their buffer takes dh's rows before the scatter
-                self.dh.index_copy_(0, rows, torch.mm(grad_chunk, self.weight, out=hidden_chunk))
+        if self.dh is None:
+            return
+        if isinstance(rows, slice):
+            torch.mm(grad_chunk, self.weight, out=self.dh[rows])
+            return
+        # hidden_chunk is a stretch of dh (gather_rows): it takes the chunk's dh rows, which then move
+        # to their places through G's memory (the GEMMs are done with G), and the stretch is cleared:
+        # the rows of it that no processed row lands on are skipped rows (zero) or later chunks'.
+        dh_rows = torch.mm(grad_chunk, self.weight, out=hidden_chunk)
+        staging = _reuse_as(grad_chunk, dh_rows.shape)
+        staging.copy_(dh_rows)
+        dh_rows.zero_()
+        self.dh.index_copy_(0, rows, staging)
 
     def _add_weight_grads(self, grad_chunk: torch.Tensor, hidden_chunk: torch.Tensor) -> None:
         if self.dw is not None:
@@ -160,17 +183,37 @@ class _GradAccumulator:
         return self.dh, dw, db
 
 
-def _gather_buffer(hidden: torch.Tensor, row_index: torch.Tensor | None, rows: int) -> torch.Tensor | None:
-    """One ``[rows, D]`` buffer that every chunk's selected rows of hidden are gathered into (None: no selection)."""
-    if row_index is None:
+def _reuse_as(buffer: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """A ``shape`` view of the front of a contiguous ``buffer`` whose values are no longer needed
+    (a new tensor when it is too small: a vocabulary smaller than the hidden size)."""
+    numel = shape.numel()
+    if buffer.is_contiguous() and buffer.numel() >= numel:
+        return buffer.view(-1)[:numel].view(shape)
+    return buffer.new_empty(shape)
+
+
+def _gather_buffer(
+    hidden: torch.Tensor, row_index: torch.Tensor | None, rows: int, grads: _GradAccumulator | None
+) -> torch.Tensor | None:
+    """One ``[rows, D]`` buffer that every chunk's selected rows of hidden are gathered into (None:
+    no selection, or dh is kept and the rows are gathered into it)."""
+    if row_index is None or (grads is not None and grads.dh is not None):
         return None
     return torch.empty(rows, hidden.shape[1], dtype=hidden.dtype, device=hidden.device)
 
 
-def _chunk_rows_of(hidden: torch.Tensor, rows: slice | torch.Tensor, gathered: torch.Tensor | None) -> torch.Tensor:
-    """The chunk's rows of hidden: a view for a slice, else gathered into (the front of) ``gathered``."""
+def _chunk_rows_of(
+    hidden: torch.Tensor,
+    rows: slice | torch.Tensor,
+    start: int,
+    grads: _GradAccumulator | None,
+    gathered: torch.Tensor | None,
+) -> torch.Tensor:
+    """The chunk's rows of hidden: a view for a slice, else gathered into dh or (the front of) ``gathered``."""
     if isinstance(rows, slice):
         return hidden[rows]
+    if gathered is None:
+        return grads.gather_rows(hidden, rows, start)
     return torch.index_select(hidden, 0, rows, out=gathered[: rows.shape[0]])
 
 
@@ -241,6 +284,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
     ):
         total_rows = hidden.shape[0]
         num_rows = total_rows if row_index is None else row_index.shape[0]
+        rows_skipped = None if row_index is None else total_rows - num_rows
         row_labels = labels if row_index is None else labels.index_select(0, row_index)
         vocab_size = weight.shape[0]
         device = hidden.device
@@ -267,7 +311,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             mean_logit=fp32_rows() if want_mean_logit else None,
         )
         grads = (
-            _GradAccumulator(hidden, weight, bias, needs_hidden, needs_weight, needs_bias, row_index is not None)
+            _GradAccumulator(hidden, weight, bias, needs_hidden, needs_weight, needs_bias, rows_skipped)
             if grad_in_forward
             else None
         )
@@ -277,12 +321,12 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         if hidden.dtype != torch.float32:
             target_raw = target_logits(hidden, weight, bias, labels, use_triton, row_index)
         buffer = torch.empty(min(chunk_rows, max(num_rows, 1)), vocab_size, dtype=hidden.dtype, device=device)
-        gathered = _gather_buffer(hidden, row_index, buffer.shape[0])
+        gathered = _gather_buffer(hidden, row_index, buffer.shape[0], grads)
         for start in range(0, num_rows, chunk_rows):
             stop = min(start + chunk_rows, num_rows)
             raw = buffer[: stop - start]
             rows = slice(start, stop) if row_index is None else row_index[start:stop]
-            hidden_chunk = _chunk_rows_of(hidden, rows, gathered)
+            hidden_chunk = _chunk_rows_of(hidden, rows, start, grads, gathered)
             _matmul_into(raw, hidden_chunk, weight, bias)
             chunk_out = RowOutputs(*(None if t is None else t[start:stop] for t in vars(out).values()))
             chunk_target = target_raw[start:stop] if target_raw is not None else None
@@ -377,19 +421,20 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
                 return (*(_rescaled(grad, factor, ctx.use_triton) for grad in precomputed[:3]), *(None,) * 9)
         vocab_size = weight.shape[0]
         needs_hidden, needs_weight, needs_bias = ctx.needs_input_grad[:3]
-        grads = _GradAccumulator(hidden, weight, bias, needs_hidden, needs_weight, needs_bias, row_index is not None)
+        rows_skipped = None if row_index is None else hidden.shape[0] - row_index.shape[0]
+        grads = _GradAccumulator(hidden, weight, bias, needs_hidden, needs_weight, needs_bias, rows_skipped)
         grad_loss = grad_loss.float().contiguous() if grad_loss is not None else None
         grad_entropy = grad_entropy.float().contiguous() if grad_entropy is not None else None
         num_rows = labels.shape[0]
         if (grad_loss is not None or grad_entropy is not None) and num_rows > 0:
             chunk_rows = ctx.chunk_rows
             buffer = torch.empty(min(chunk_rows, num_rows), vocab_size, dtype=hidden.dtype, device=hidden.device)
-            gathered = _gather_buffer(hidden, row_index, buffer.shape[0])
+            gathered = _gather_buffer(hidden, row_index, buffer.shape[0], grads)
             for start in range(0, num_rows, chunk_rows):
                 stop = min(start + chunk_rows, num_rows)
                 raw = buffer[: stop - start]
                 rows = slice(start, stop) if row_index is None else row_index[start:stop]
-                hidden_chunk = _chunk_rows_of(hidden, rows, gathered)
+                hidden_chunk = _chunk_rows_of(hidden, rows, start, grads, gathered)
                 _matmul_into(raw, hidden_chunk, weight, bias)
                 chunk_grad(
                     raw,
