@@ -18,6 +18,7 @@ from __future__ import annotations
 import datetime
 import gc
 import importlib.metadata
+import os
 import platform
 import subprocess
 import sys
@@ -54,12 +55,8 @@ def _version(dist: str) -> str | None:
         return None
 
 
-def env_info() -> dict:
-    """Device, library and peer versions, date: recorded with every result."""
-    import triton
-
-    import lce_patch
-
+def _git_revision() -> str | None:
+    """Short commit of this checkout, with "+dirty" for uncommitted changes to tracked files."""
     try:
         rev = subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True, timeout=10
@@ -71,9 +68,19 @@ def env_info() -> dict:
             text=True,
             timeout=10,
         ).stdout.strip()
-        rev = (rev + ("+dirty" if dirty else "")) or None
     except (OSError, subprocess.SubprocessError):
-        rev = None
+        return None
+    return (rev + ("+dirty" if dirty else "")) or None
+
+
+def env_info() -> dict:
+    """Device, library and peer versions, date: recorded with every result."""
+    import triton
+
+    import lce_patch
+
+    # A copy whose .git is not the checkout's (the GPU machine's) names its commit through the env.
+    rev = os.environ.get("LCE_BENCH_COMMIT") or _git_revision()
     cuda = torch.cuda.is_available()
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
