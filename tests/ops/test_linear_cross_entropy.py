@@ -223,6 +223,41 @@ def test_default_chunk_rows_fill_the_gpu_for_thin_hidden_sizes():
     assert default_chunk_rows(7022, 256000, torch.bfloat16, False, 2304, 132) < 1024  # torch backend: budget
 
 
+@pytest.mark.parametrize(
+    ("num_rows", "hidden_size", "vocab_size"),
+    [(7022, 4096, 128256), (7022, 2304, 256000), (3511, 4096, 128256), (14043, 3584, 152064), (500, 64, 1000)],
+)
+def test_forward_only_chunks_use_the_bytes_of_the_missing_dw_and_no_more(num_rows, hidden_size, vocab_size):
+    from lce_patch.ops.linear_cross_entropy.chunked import default_chunk_rows
+
+    weight_bytes = vocab_size * hidden_size * 2
+    train = default_chunk_rows(num_rows, vocab_size, torch.bfloat16, True, hidden_size, 132)
+    evaluate = default_chunk_rows(num_rows, vocab_size, torch.bfloat16, True, hidden_size, 132, weight_bytes)
+    bytes_per_row = vocab_size * 2
+    assert evaluate >= train
+    assert evaluate * bytes_per_row <= train * bytes_per_row + weight_bytes  # never above a training step
+    assert evaluate == num_rows or -(-num_rows // evaluate) < -(-num_rows // train)  # fewer chunks
+    assert evaluate == num_rows or evaluate % 128 == 0
+
+
+def test_forward_only_default_chunk_counts_the_dw_only_of_a_trainable_weight(monkeypatch):
+    from lce_patch.ops.linear_cross_entropy import functional
+
+    seen = []
+    real = functional.default_chunk_rows
+    monkeypatch.setattr(
+        functional, "default_chunk_rows", lambda *a, **k: seen.append(k["spare_bytes"]) or real(*a, **k)
+    )
+    hidden, weight, labels, _ = make_inputs()
+    h = leaf(hidden, torch.float32)
+    for trainable in (True, False):
+        w = leaf(weight, torch.float32, requires_grad=trainable)
+        with torch.no_grad():
+            fused_linear_cross_entropy(h, w, labels, backend="torch")
+        fused_linear_cross_entropy(h, w, labels, backend="torch").backward()
+    assert seen == [weight.numel() * 4, 0, 0, 0]
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_half_precision(backend):
     # fp16 operands: logits carry ~2^-11 relative rounding, so loss and gradients agree to ~1e-3.

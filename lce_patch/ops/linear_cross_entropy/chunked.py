@@ -51,6 +51,10 @@ CHUNK_ROW_MULTIPLE = 128
 # in 69 chunks gave a dW error of 1.2e-2 vs 2.1e-3 in one chunk), so the default chunk grows with
 # N instead: at most 16 bf16 roundings, at the cost of N*V*2/16 bytes of logits buffer.
 MAX_BF16_DW_CHUNKS = 16
+# A forward without gradients holds no dW: its buffer may take those bytes too (D more rows when W
+# and the buffer share a dtype), so evaluation never needs more memory than a training step of the
+# same batch. Fewer, longer chunks run the logits GEMM faster: on the H100, forward only, Llama-3-8B
+# 11.98 -> 11.10 ms at 3584-row chunks, Qwen2.5 12.54 -> 11.55, N = 4096 6.29 -> 5.47 (NOTES v14).
 # The torch row op keeps about four fp32 [C, V] temporaries beside the buffer; on the CPU a
 # smaller budget keeps the fused path leaner than the unfused one even for small models.
 _TORCH_TEMPORARIES_PER_LOGIT = 16
@@ -64,11 +68,14 @@ def default_chunk_rows(
     use_triton: bool,
     hidden_size: int | None = None,
     num_sms: int | None = None,
+    spare_bytes: int = 0,
 ) -> int:
     """Token rows per chunk for ``num_rows`` processed rows: the logits budget, at least 1024 rows on
     the Triton path and, given ``hidden_size`` and the GPU's ``num_sms``, enough rows for the dh GEMM
     to fill the GPU, and few enough chunks that a bf16 dW is rounded at most ``MAX_BF16_DW_CHUNKS``
-    times; then the fewest chunks of that size, made as even as multiples of 128 rows allow."""
+    times; plus as many rows as ``spare_bytes`` hold (a forward without gradients passes the bytes of
+    the dW it does not allocate); then the fewest chunks of that size, made as even as multiples of
+    128 rows allow."""
     tile = CHUNK_ROW_MULTIPLE
     element_size = torch.finfo(dtype).bits // 8
     bytes_per_row = vocab_size * (element_size if use_triton else element_size + _TORCH_TEMPORARIES_PER_LOGIT)
@@ -82,6 +89,9 @@ def default_chunk_rows(
             rows = max(rows, num_sms * GEMM_TILE_ELEMENTS // hidden_size // tile * tile)
     if dtype == torch.bfloat16:
         rows = max(rows, _round_up(-(-num_rows // MAX_BF16_DW_CHUNKS), tile))
+    spare_rows = spare_bytes // max(bytes_per_row, 1)
+    if spare_rows >= tile:
+        rows += spare_rows // tile * tile
     rows = int(max(1, min(rows, max(num_rows, 1))))
     chunks = -(-num_rows // rows)
     if chunks > 1:  # the fewest chunks of at most ``rows``, as even as whole tiles (16 rows on torch) allow

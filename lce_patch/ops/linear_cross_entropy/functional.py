@@ -248,8 +248,16 @@ def _run(
     rows = chunk_size
     if rows is None:
         num_sms = torch.cuda.get_device_properties(hidden.device).multi_processor_count if hidden.is_cuda else None
+        # Evaluation of a trainable W: the buffer may take the bytes its dW would have taken.
+        spare = weight.numel() * weight.element_size() if weight.requires_grad and not any(needs_grad) else 0
         rows = default_chunk_rows(
-            processed_rows, vocab_size, hidden.dtype, use_triton, hidden_size=hidden.shape[-1], num_sms=num_sms
+            processed_rows,
+            vocab_size,
+            hidden.dtype,
+            use_triton,
+            hidden_size=hidden.shape[-1],
+            num_sms=num_sms,
+            spare_bytes=spare,
         )
     transform = LogitTransform(
         ignore_index=ignore_index,
