@@ -326,7 +326,9 @@ def fused_linear_cross_entropy(
         backend: "auto" (Triton on CUDA, torch elsewhere), "triton" or "torch".
         chunk_size: tokens per chunk, the memory/speed knob: the op holds ``chunk_size x V`` logits
             in the compute dtype. Default: 256 MiB of logits, at least 1024 tokens on the Triton
-            path (GEMM efficiency), and at least N/16 tokens in bf16 (bounds dW's roundings).
+            path (GEMM efficiency; more for a thin D, so the dh GEMM fills the GPU), and at least
+            N/16 tokens in bf16 (bounds dW's roundings); without gradients, a trainable weight's
+            chunk also takes the bytes of the dW it does not hold (never above a training step).
         deterministic: accepted for clarity; both backends are deterministic already (no atomics,
             fixed reduction order), so it costs nothing.
         skip_ignored: run the matmuls on the non-ignored tokens only (gathered chunk by chunk), so
