@@ -124,16 +124,16 @@ def _addmm_fp32(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
 class _GradAccumulator:
     """dh rows, dW and dbias from chunk gradients ``G`` [C, V] (fp32 accumulation in each GEMM).
 
-    With ``rows_skipped`` (N - M when only M of the N rows of hidden are processed) dh starts at
-    zero and each chunk's rows are written to their places; the chunk's rows of hidden are gathered
-    into dh itself (:meth:`gather_rows`), so no separate [C, D] buffer is needed."""
+    With ``row_index`` (the M of the N rows of hidden that are processed) dh starts at zero and each
+    chunk's rows are written to their places; the chunk's rows of hidden are gathered into dh itself
+    (:meth:`gather_rows`), so no separate [C, D] buffer is needed."""
 
-    def __init__(self, hidden, weight, bias, needs_hidden, needs_weight, needs_bias, rows_skipped=None):
+    def __init__(self, hidden, weight, bias, needs_hidden, needs_weight, needs_bias, row_index=None):
         self.weight = weight
         self.dh = None
-        self.rows_skipped = rows_skipped
+        self.rows_skipped = None if row_index is None else hidden.shape[0] - row_index.shape[0]
         if needs_hidden:
-            make = torch.empty if rows_skipped is None else torch.zeros
+            make = torch.empty if row_index is None else torch.zeros
             self.dh = make(hidden.shape, dtype=hidden.dtype, device=hidden.device)
         # fp16 lacks the range to hold a sum over many tokens: accumulate its dW in fp32.
         # bf16 and fp32 add each chunk's GEMM result into dW in place (one rounding per chunk).
@@ -142,6 +142,11 @@ class _GradAccumulator:
         self.dw = torch.empty(weight.shape, dtype=dw_dtype, device=weight.device) if needs_weight else None
         self.db = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if needs_bias else None
         self._dw_written = False
+
+    @property
+    def gathers_into_dh(self) -> bool:
+        """Whether the chunks' selected rows of hidden go into dh (:meth:`gather_rows`)."""
+        return self.rows_skipped is not None and self.dh is not None
 
     def gather_rows(self, hidden: torch.Tensor, rows: torch.Tensor, start: int) -> torch.Tensor:
         """``hidden[rows]`` gathered into dh's rows ``[start + skipped, start + skipped + C)`` and
@@ -207,7 +212,7 @@ def _gather_buffer(
 ) -> torch.Tensor | None:
     """One ``[rows, D]`` buffer that every chunk's selected rows of hidden are gathered into (None:
     no selection, or dh is kept and the rows are gathered into it)."""
-    if row_index is None or (grads is not None and grads.dh is not None):
+    if row_index is None or (grads is not None and grads.gathers_into_dh):
         return None
     return torch.empty(rows, hidden.shape[1], dtype=hidden.dtype, device=hidden.device)
 
@@ -222,7 +227,7 @@ def _chunk_rows_of(
     """The chunk's rows of hidden: a view for a slice, else gathered into dh or (the front of) ``gathered``."""
     if isinstance(rows, slice):
         return hidden[rows]
-    if gathered is None:
+    if grads is not None and grads.gathers_into_dh:
         return grads.gather_rows(hidden, rows, start)
     return torch.index_select(hidden, 0, rows, out=gathered[: rows.shape[0]])
 
@@ -294,7 +299,6 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
     ):
         total_rows = hidden.shape[0]
         num_rows = total_rows if row_index is None else row_index.shape[0]
-        rows_skipped = None if row_index is None else total_rows - num_rows
         row_labels = labels if row_index is None else labels.index_select(0, row_index)
         vocab_size = weight.shape[0]
         device = hidden.device
@@ -321,7 +325,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             mean_logit=fp32_rows() if want_mean_logit else None,
         )
         grads = (
-            _GradAccumulator(hidden, weight, bias, needs_hidden, needs_weight, needs_bias, rows_skipped)
+            _GradAccumulator(hidden, weight, bias, needs_hidden, needs_weight, needs_bias, row_index)
             if grad_in_forward
             else None
         )
@@ -431,8 +435,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
                 return (*(_rescaled(grad, factor, ctx.use_triton) for grad in precomputed[:3]), *(None,) * 9)
         vocab_size = weight.shape[0]
         needs_hidden, needs_weight, needs_bias = ctx.needs_input_grad[:3]
-        rows_skipped = None if row_index is None else hidden.shape[0] - row_index.shape[0]
-        grads = _GradAccumulator(hidden, weight, bias, needs_hidden, needs_weight, needs_bias, rows_skipped)
+        grads = _GradAccumulator(hidden, weight, bias, needs_hidden, needs_weight, needs_bias, row_index)
         grad_loss = grad_loss.float().contiguous() if grad_loss is not None else None
         grad_entropy = grad_entropy.float().contiguous() if grad_entropy is not None else None
         num_rows = labels.shape[0]
