@@ -188,6 +188,126 @@ def test_vocab_sizes_at_the_kernel_block_edges(backend, vocab_size, options):
     assert rel_err(h.grad, ref_grads[0]) < 1e-5 and rel_err(w.grad, ref_grads[1]) < 1e-5
 
 
+def _record_row_factors(monkeypatch) -> list:
+    """Whether each chunk_stats call of the op got a ``row_factor`` (the one-pass gradient)."""
+    from lce_patch.ops.linear_cross_entropy import chunked
+
+    seen = []
+    original = chunked.chunk_stats
+
+    def spy(raw, labels, transform, out, grad_scale, use_triton, target_raw=None, row_factor=None):
+        seen.append(row_factor is not None)
+        return original(raw, labels, transform, out, grad_scale, use_triton, target_raw, row_factor)
+
+    monkeypatch.setattr(chunked, "chunk_stats", spy)
+    return seen
+
+
+ONE_PASS_CASES = {
+    "rows as slices": ({"softcap": 2.5}, None),
+    "skip_ignored, rows gathered into dh": ({"softcap": 2.5, "skip_ignored": True}, None),
+    "frozen weight (dh only)": ({"softcap": 4.0, "reduction": "sum", "skip_ignored": True}, "weight"),
+    "frozen hidden (dW only)": ({"softcap": 2.5, "num_items_in_batch": 41}, "hidden"),
+    "frozen hidden, skip_ignored (own gather buffer)": ({"softcap": 3.0, "skip_ignored": True}, "hidden"),
+    "logit scale": ({"softcap": 6.0, "logit_scale": 1.7}, None),
+}
+
+
+@pytest.mark.skipif("triton" not in BACKENDS, reason="the one-pass gradient is a path of the Triton kernel")
+@pytest.mark.parametrize("case", sorted(ONE_PASS_CASES))
+@pytest.mark.parametrize("chunk_size", [3, 8])
+def test_one_pass_softcap_gradient_matches_float64_reference(case, chunk_size, monkeypatch):
+    # With a softcap the kernel writes the gradient in one pass, as rows to be scaled; the scaling is
+    # applied to hidden's rows for dW and to dh's fp32 rows. Every layout of the chunk's rows of hidden
+    # (a view, gathered into dh, gathered into the op's own buffer) must give the reference gradients.
+    options, frozen = ONE_PASS_CASES[case]
+    seen = _record_row_factors(monkeypatch)
+    hidden, weight, labels, _ = make_inputs(n=29, d=13, v=71, ignore_every=4)
+    labels[:3] = -100
+    ref_options = {k: v for k, v in options.items() if k != "skip_ignored"}
+    ref = naive_linear_cross_entropy(hidden.requires_grad_(), weight.requires_grad_(), labels, **ref_options)
+    ref_grads = torch.autograd.grad(ref, [hidden, weight], torch.tensor(1.3, dtype=torch.float64))
+    h = leaf(hidden, torch.float32, requires_grad=frozen != "hidden")
+    w = leaf(weight, torch.float32, requires_grad=frozen != "weight")
+    out = fused_linear_cross_entropy(h, w, labels, backend="triton", chunk_size=chunk_size, **options)
+    out.backward(torch.tensor(1.3))
+    assert seen and all(seen), seen
+    assert rel_err(out, ref) < 1e-5
+    if frozen != "hidden":
+        assert rel_err(h.grad, ref_grads[0]) < 1e-5
+        assert torch.equal(h.grad[:3], torch.zeros_like(h.grad[:3]))
+    if frozen != "weight":
+        assert rel_err(w.grad, ref_grads[1]) < 1e-5
+
+
+@pytest.mark.skipif("triton" not in BACKENDS, reason="the one-pass gradient is a path of the Triton kernel")
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"softcap": 50.0}, {"softcap": 3.0, "label_smoothing": 0.1}, {"softcap": 3.0, "z_loss": 1e-3},
+     {"softcap": 3.0, "bias": True}, {"softcap": 3.0, "dtype": torch.float16}],
+    ids=str,
+)  # fmt: skip
+def test_one_pass_gradient_only_where_it_applies(options, monkeypatch):
+    # No softcap (running max), a bound over 40, smoothing or z-loss (sum or lse in every element), a
+    # bias gradient, fp16 (no range for e^40): the two-pass gradient.
+    options = dict(options)
+    dtype, bias = options.pop("dtype", torch.float32), options.pop("bias", False)
+    seen = _record_row_factors(monkeypatch)
+    hidden, weight, labels, b = make_inputs(bias=bias)
+    h, w, bb = (leaf(t, dtype) for t in (hidden, weight, b))
+    fused_linear_cross_entropy(h, w, labels, bias=bb, backend="triton", chunk_size=16, **options).backward()
+    assert seen and not any(seen)
+
+
+@pytest.mark.skipif("triton" not in BACKENDS, reason="the one-pass gradient is a path of the Triton kernel")
+def test_one_pass_gradient_rows_agree_with_the_two_pass_kernel_on_extreme_rows():
+    # Row by row, the one-pass output times its row factor against the two-pass kernel's gradient
+    # (same fp32 tanh, so the same values up to rounding) and the float64 formula: ordinary rows,
+    # a row whose logits all sit near -softcap, a target ~60 nats below every other logit, an ignored
+    # row, a target at the row's max, and a NaN.
+    from lce_patch.ops.linear_cross_entropy.rows import LogitTransform, RowOutputs, chunk_stats
+
+    gen = torch.Generator().manual_seed(torch.randint(0, 2**31, ()).item())
+    rows, vocab_size, softcap = 8, 300, 30.0
+    raw = torch.randn(rows, vocab_size, generator=gen) * 10
+    labels = torch.randint(0, vocab_size, (rows,), generator=gen)
+    raw[1] = -150 - 100 * torch.rand(vocab_size, generator=gen)
+    raw[2] = 200 + torch.randn(vocab_size, generator=gen)
+    raw[2, labels[2]] = -200.0
+    labels[3] = -100
+    raw[4, labels[4]] = raw[4].max() + 3
+    raw[6, 17] = float("nan")
+    transform = LogitTransform(softcap=softcap)
+    grad_scale = torch.tensor(0.25)
+
+    def run(row_factor):
+        out = RowOutputs(loss=torch.empty(rows), lse=torch.empty(rows))
+        buffer = raw.clone()
+        chunk_stats(buffer, labels, transform, out, grad_scale, True, row_factor=row_factor)
+        return buffer, out
+
+    two_pass, two_out = run(None)
+    factor = torch.full((rows,), float("nan"))
+    one_pass, one_out = run(factor)
+    one_pass = one_pass.double() * factor.double()[:, None]
+
+    tanh = torch.tanh(raw.double() / softcap)
+    p = torch.softmax(softcap * tanh, dim=1)
+    valid = labels != -100
+    onehot = torch.zeros_like(p).scatter_(1, labels.clamp(min=0)[:, None], 1.0)
+    expected = (p - onehot) * (1 - tanh**2) * 0.25 * valid[:, None]
+    for row in range(rows):
+        if row == 6:
+            assert torch.isnan(one_pass[row]).all() and torch.isnan(two_pass[row]).all()
+            assert torch.isnan(one_out.loss[row]) and torch.isnan(two_out.loss[row])
+            continue
+        assert rel_err(one_pass[row], two_pass[row]) < 1e-5, row
+        assert abs(one_out.loss[row] - two_out.loss[row]) <= 1e-6 * max(1.0, abs(float(two_out.loss[row]))), row
+        if row not in (1, 2):  # saturated fp32 tanh there (1 - tanh**2 from t within ulps of +-1), in both
+            assert rel_err(one_pass[row], expected[row]) < 1e-5, row
+    assert torch.equal(one_pass[3], torch.zeros_like(one_pass[3]))
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_bias_and_shift_3d(backend):
     check_against_reference({"shift": True}, backend=backend, bias=True, batch=3)

@@ -5,6 +5,9 @@ Tokens are processed ``chunk_rows`` at a time. For each chunk the projection
 operation (Triton kernel or torch, see ``rows.py``) turns it into per-token statistics and, when
 gradients are needed, into the logits gradient in place; two more GEMMs give ``dh_c = G @ W`` and
 ``dW += G.T @ h_c``. Each GEMM reduces over D or V in full, with fp32 accumulation inside the GEMM.
+With a softcap the Triton kernel writes G in one pass as ``U`` and a per-row factor (G = U * factor,
+see kernels.py); the factor goes onto the chunk's rows of hidden for dW and onto the fp32 output
+of ``U @ W`` for dh (a ``[C, D]`` fp32 temporary), since no GEMM scales its K rows.
 
 Two gradient schedules:
 
@@ -29,7 +32,15 @@ from __future__ import annotations
 
 import torch
 
-from .rows import LogitTransform, RowOutputs, chunk_grad, chunk_stats, scale_inplace, target_logits
+from .rows import (
+    LogitTransform,
+    RowOutputs,
+    chunk_grad,
+    chunk_stats,
+    scale_inplace,
+    target_logits,
+    unnormalized_grad_applies,
+)
 
 # Default size of the logits buffer: 256 MiB, but never fewer than 1024 token rows. cuBLAS runs
 # the three GEMM shapes near its full-size rate from about 1024 rows (K of the dW GEMM, M of the
@@ -121,6 +132,32 @@ def _addmm_fp32(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
     acc.addmm_(a.float(), b.float())
 
 
+def _mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` as fp32, accumulated in fp32 and not rounded to the inputs' dtype."""
+    if a.dtype == torch.float32:
+        return torch.mm(a, b)
+    if a.device.type == "cuda":
+        return torch.mm(a, b, out_dtype=torch.float32)
+    return torch.mm(a.float(), b.float())  # the CPU interpreter's tests: no fp32-output GEMM there
+
+
+_FP32_OUTPUT_GEMM: dict[str, bool] = {}
+
+
+def fp32_output_gemm_available(device: torch.device) -> bool:
+    """Whether :func:`_mm_fp32` runs on ``device`` (CUDA needs torch's ``mm(..., out_dtype=)``)."""
+    if device.type != "cuda":
+        return True
+    if "cuda" not in _FP32_OUTPUT_GEMM:
+        probe = torch.zeros(1, 1, dtype=torch.bfloat16, device=device)
+        try:
+            torch.mm(probe, probe, out_dtype=torch.float32)
+            _FP32_OUTPUT_GEMM["cuda"] = True
+        except (TypeError, RuntimeError, NotImplementedError):
+            _FP32_OUTPUT_GEMM["cuda"] = False
+    return _FP32_OUTPUT_GEMM["cuda"]
+
+
 class _GradAccumulator:
     """dh rows, dW and dbias from chunk gradients ``G`` [C, V] (fp32 accumulation in each GEMM).
 
@@ -159,24 +196,55 @@ class _GradAccumulator:
         first = start + self.rows_skipped
         return torch.index_select(hidden, 0, rows, out=self.dh[first : first + rows.shape[0]])
 
-    def add(self, grad_chunk: torch.Tensor, hidden_chunk: torch.Tensor, rows: slice | torch.Tensor) -> None:
+    def add(
+        self,
+        grad_chunk: torch.Tensor,
+        hidden_chunk: torch.Tensor,
+        rows: slice | torch.Tensor,
+        row_factor: torch.Tensor | None = None,
+    ) -> None:
         """``rows``: the chunk's rows of hidden, a slice, or an index tensor (``hidden_chunk`` is then
         the op's own gathered copy, from :meth:`gather_rows` when dh is kept, which this overwrites).
-        ``grad_chunk`` is used up: with an index tensor its memory stages the chunk's dh rows."""
-        self._add_weight_grads(grad_chunk, hidden_chunk)
+        ``grad_chunk`` is used up: with an index tensor its memory stages the chunk's dh rows.
+
+        With ``row_factor`` (fp32 [C]) the chunk's gradient is ``grad_chunk * row_factor[:, None]``
+        (the one-pass kernel's output, see kernels.py), a factor that no GEMM applies to its K rows: it
+        goes onto the chunk's rows of hidden for dW (one rounding to the compute dtype, as G's own)
+        and onto the fp32 output of the dh GEMM before its one rounding. No bias gradient here."""
+        if row_factor is not None and self.db is not None:
+            raise ValueError("_GradAccumulator: row_factor with a bias gradient is not supported")
+        weight_rows = hidden_chunk
+        if row_factor is not None and self.dw is not None:
+            weight_rows = self._scaled_rows(hidden_chunk, row_factor, rows)
+        self._add_weight_grads(grad_chunk, weight_rows)
         if self.dh is None:
             return
         if isinstance(rows, slice):
-            torch.mm(grad_chunk, self.weight, out=self.dh[rows])
+            self._dh_product(grad_chunk, row_factor, self.dh[rows])
             return
         # hidden_chunk is a stretch of dh (gather_rows): it takes the chunk's dh rows, which then move
         # to their places through G's memory (the GEMMs are done with G), and the stretch is cleared:
         # the rows of it that no processed row lands on are skipped rows (zero) or later chunks'.
-        dh_rows = torch.mm(grad_chunk, self.weight, out=hidden_chunk)
+        dh_rows = self._dh_product(grad_chunk, row_factor, hidden_chunk)
         staging = _reuse_as(grad_chunk, dh_rows.shape)
         staging.copy_(dh_rows)
         dh_rows.zero_()
         self.dh.index_copy_(0, rows, staging)
+
+    def _scaled_rows(self, hidden_chunk: torch.Tensor, row_factor: torch.Tensor, rows) -> torch.Tensor:
+        """``hidden_chunk * row_factor[:, None]`` in the compute dtype (computed in fp32): in place for
+        the op's own gathered copy; for a view of the caller's hidden, into dh's rows of the chunk,
+        which the dh GEMM overwrites only after the dW GEMM has read them."""
+        factor = row_factor[:, None]
+        if not isinstance(rows, slice):
+            return hidden_chunk.mul_(factor)
+        out = self.dh[rows] if self.dh is not None else torch.empty_like(hidden_chunk)
+        return torch.mul(hidden_chunk, factor, out=out)
+
+    def _dh_product(self, grad_chunk: torch.Tensor, row_factor: torch.Tensor | None, out: torch.Tensor):
+        if row_factor is None:
+            return torch.mm(grad_chunk, self.weight, out=out)
+        return torch.mul(_mm_fp32(grad_chunk, self.weight), row_factor[:, None], out=out)
 
     def _add_weight_grads(self, grad_chunk: torch.Tensor, hidden_chunk: torch.Tensor) -> None:
         if self.dw is not None:
@@ -336,6 +404,15 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             target_raw = target_logits(hidden, weight, bias, labels, use_triton, row_index)
         buffer = torch.empty(min(chunk_rows, max(num_rows, 1)), vocab_size, dtype=hidden.dtype, device=device)
         gathered = _gather_buffer(hidden, row_index, buffer.shape[0], grads)
+        # The one-pass gradient (rows to be scaled by row_factor) where the kernel has it (softcap).
+        row_factor = None
+        if (
+            grads is not None
+            and not needs_bias
+            and unnormalized_grad_applies(transform, hidden.dtype, use_triton)
+            and fp32_output_gemm_available(device)
+        ):
+            row_factor = torch.empty(buffer.shape[0], dtype=torch.float32, device=device)
         for start in range(0, num_rows, chunk_rows):
             stop = min(start + chunk_rows, num_rows)
             raw = buffer[: stop - start]
@@ -344,6 +421,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             _matmul_into(raw, hidden_chunk, weight, bias)
             chunk_out = RowOutputs(*(None if t is None else t[start:stop] for t in vars(out).values()))
             chunk_target = target_raw[start:stop] if target_raw is not None else None
+            chunk_factor = row_factor[: stop - start] if row_factor is not None else None
             chunk_stats(
                 raw,
                 row_labels[start:stop],
@@ -352,10 +430,11 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
                 grad_scale if grad_in_forward else None,
                 use_triton,
                 chunk_target,
+                chunk_factor,
             )
             if grads is not None:
-                grads.add(raw, hidden_chunk, rows)
-        del buffer, gathered
+                grads.add(raw, hidden_chunk, rows, chunk_factor)
+        del buffer, gathered, row_factor
         processed = out  # the processed rows' outputs, which a recompute in backward needs
         if row_index is not None and not scalar_loss:
             out = _scatter_rows(out, row_index, total_rows)

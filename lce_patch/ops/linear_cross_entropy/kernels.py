@@ -36,6 +36,22 @@ an ignored one), exactly where the unfused path applies it: scaling a bf16 dh or
 round it a second time. The second pass re-reads the row from HBM: one program per row keeps more
 rows in flight than L2 holds, and fewer programs looping over rows measured slower (NOTES v10).
 
+With a softcap (``FIXED_MAX``: |z| <= softcap / temperature <= 40) and no label smoothing or
+z-loss, ``UNNORMALIZED_GRAD`` writes the gradient in the first pass instead, saving the second
+read of the buffer and the second tanh and exp per logit (3 special-function ops per logit per pass,
+which bound the softcapped passes): each logit is overwritten as it is read with
+
+    U_j = exp(z_j - ref) * (1 - tanh_j**2),        ref = max(z_y, bound - 40) for the row,
+
+which needs no running max since every exponent is bounded, and after the loop the target's
+element becomes ``(exp(z_y - ref) - sum_exp) * (1 - tanh_y**2)``. The row's gradient is then
+``U * row_factor`` with ``row_factor = reduction factor * logit_scale / temperature / sum_exp``, an
+fp32 value per row that the kernel stores; the GEMMs apply it (chunked.py: to the rows of hidden
+for dW, to the fp32 rows of dh before their one rounding). ``ref`` keeps U in range: at most e^40
+per element (the sum stays finite in fp32 for any V), and the row's largest at least e^-40, also
+for a row whose logits all sit near -bound. On the H100 this pass took 675 us per 1792-row chunk of
+the Gemma-2 vocabulary against 991 for the two passes (NOTES v15).
+
 ``_grad_kernel`` (a 2-D grid over rows and vocab blocks) is the backward of per-token outputs:
 it takes the saved ``lse`` and entropy and per-row upstream gradients of the loss and of the
 entropy, and overwrites the recomputed buffer with their combined gradient::
@@ -46,7 +62,7 @@ Memory: the ``[C, V]`` buffer (compute dtype) plus a few fp32 vectors of length 
 proportional to N x V. FLOPs: ~10 per logit per pass (exp; with a softcap, tanh from one more exp
 and a division), negligible next to the 2*D FLOPs per logit of each GEMM; both kernels are bound by
 memory bandwidth: 2 reads + 1 write of the buffer (stats + gradient), or 1 read + 1 write (grad
-kernel). On the H100 the stats + gradient pass streams ~2.7 TB/s (NOTES v10).
+kernel, and the one-pass softcapped gradient). On the H100 the stats + gradient pass streams ~2.7 TB/s (NOTES v10).
 No atomics, so results are deterministic run to run.
 """
 
@@ -54,6 +70,10 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+# With UNNORMALIZED_GRAD, a row's exponentials are taken against a reference at most this far below
+# the bound of its logits (see _stats_kernel).
+UNNORMALIZED_REF_SPAN: tl.constexpr = tl.constexpr(40.0)
 
 
 @triton.jit
@@ -107,12 +127,14 @@ def _stats_block(
     FIXED_MAX: tl.constexpr,
     WANT_ENTROPY: tl.constexpr,
     WANT_TOP1: tl.constexpr,
+    STORE_UNNORMALIZED: tl.constexpr,
     MASKED: tl.constexpr,
 ):
     """One block of the first pass: fold the logits at ``cols`` [LANES, GROUP] into the per-lane
-    accumulators [LANES] (one lane holds GROUP consecutive logits)."""
+    accumulators [LANES] (one lane holds GROUP consecutive logits); with ``STORE_UNNORMALIZED``
+    (bounded exponents only) also overwrite them with ``exp(z - fixed_max) * (1 - tanh**2)``."""
     raw = _load_block(row_ptr, cols, vocab_size, MASKED)
-    z, _ = _transform(raw, logit_scale, softcap, inv_temperature, HAS_SOFTCAP)
+    z, t = _transform(raw, logit_scale, softcap, inv_temperature, HAS_SOFTCAP)
     z_or_0 = z
     if MASKED:
         in_row = cols < vocab_size
@@ -123,6 +145,12 @@ def _stats_block(
         # neither overflow nor (bound <= 40) all underflow, so no running max and no rescaling.
         e = tl.exp(z - fixed_max)  # 0 for padding (z = -inf), NaN stays NaN
         lane_sum += tl.sum(e, 1)
+        if STORE_UNNORMALIZED:
+            unnormalized = (e * (1.0 - t * t)).to(row_ptr.dtype.element_ty)
+            if MASKED:
+                tl.store(row_ptr + cols, unnormalized, mask=cols < vocab_size)
+            else:
+                tl.store(row_ptr + cols, unnormalized)
         if WANT_ENTROPY:
             lane_sum_z += tl.sum(e * z_or_0, 1)
         if WANT_TOP1:
@@ -192,6 +220,7 @@ def _stats_kernel(
     mean_logit_ptr,
     grad_scale_ptr,
     target_raw_ptr,
+    row_factor_ptr,
     vocab_size,
     ignore_index,
     logit_scale,
@@ -209,6 +238,7 @@ def _stats_kernel(
     WANT_TOP1: tl.constexpr,
     WANT_MEAN_LOGIT: tl.constexpr,
     WRITE_GRAD: tl.constexpr,
+    UNNORMALIZED_GRAD: tl.constexpr,
     BLOCK_V: tl.constexpr,
     LANE_GROUP: tl.constexpr,
 ):
@@ -226,6 +256,13 @@ def _stats_kernel(
     # per-logit comparison with the label. Read before the second pass overwrites the row.
     target_raw = tl.load(row_ptr + safe_label, mask=label_in_row, other=0.0).to(tl.float32)
     target_z, target_t = _transform(target_raw, logit_scale, softcap, inv_temperature, HAS_SOFTCAP)
+    if UNNORMALIZED_GRAD:
+        # The exponentials' reference for this row: its target logit, but never more than
+        # UNNORMALIZED_REF_SPAN below the bound. Every exp(z - ref) is then at most e^40 and the sum
+        # at most V * e^40 (finite in fp32 for any V); the row's largest is at least 1 when ref is
+        # the target logit, else at least exp(-fixed_max - ref) >= e^-40: the stored values keep
+        # their precision even for a row whose logits all sit near -fixed_max.
+        fixed_max = tl.maximum(tl.where(label_in_row, target_z, float("-inf")), fixed_max - UNNORMALIZED_REF_SPAN)
 
     # Per-lane online log-sum-exp: each of the BLOCK_V // LANE_GROUP lanes holds LANE_GROUP consecutive
     # logits and keeps its own running max and sums, merged once after the loop. This costs one rescale
@@ -245,13 +282,13 @@ def _stats_kernel(
         lane_max, lane_sum, lane_sum_z, lane_z, lane_before_target = _stats_block(
             row_ptr, start + lane_cols, label, vocab_size, logit_scale, softcap, inv_temperature,
             fixed_max, lane_max, lane_sum, lane_sum_z, lane_z, lane_before_target, HAS_SOFTCAP,
-            HAS_SMOOTHING or WANT_MEAN_LOGIT, FIXED_MAX, WANT_ENTROPY, WANT_TOP1, False,
+            HAS_SMOOTHING or WANT_MEAN_LOGIT, FIXED_MAX, WANT_ENTROPY, WANT_TOP1, UNNORMALIZED_GRAD, False,
         )  # fmt: skip
     if full_end < vocab_size:
         lane_max, lane_sum, lane_sum_z, lane_z, lane_before_target = _stats_block(
             row_ptr, full_end + lane_cols, label, vocab_size, logit_scale, softcap, inv_temperature,
             fixed_max, lane_max, lane_sum, lane_sum_z, lane_z, lane_before_target, HAS_SOFTCAP,
-            HAS_SMOOTHING or WANT_MEAN_LOGIT, FIXED_MAX, WANT_ENTROPY, WANT_TOP1, True,
+            HAS_SMOOTHING or WANT_MEAN_LOGIT, FIXED_MAX, WANT_ENTROPY, WANT_TOP1, UNNORMALIZED_GRAD, True,
         )  # fmt: skip
 
     running_max = tl.max(lane_max, 0)  # the row's max logit (argmax check)
@@ -293,7 +330,17 @@ def _stats_kernel(
     if WANT_MEAN_LOGIT:
         tl.store(mean_logit_ptr + row, tl.where(valid, sum_z / vocab_size, 0.0))
 
-    if WRITE_GRAD:
+    if WRITE_GRAD and UNNORMALIZED_GRAD:
+        # The loop stored U_j = exp(z_j - ref) * (1 - tanh_j**2); the gradient is U_j * factor with
+        # factor = raw_scale / sum_exp, once the target's element holds (exp(z_y - ref) - sum_exp) *
+        # (1 - tanh_y**2). The barrier orders that store after every thread's stores of the loop.
+        valid_scale = tl.where(valid, tl.load(grad_scale_ptr), 0.0)
+        raw_scale = logit_scale * inv_temperature * valid_scale
+        tl.debug_barrier()
+        target_unnormalized = (tl.exp(target_z - ref_max) - sum_exp) * (1.0 - target_t * target_t)
+        tl.store(row_ptr + safe_label, target_unnormalized.to(logits_ptr.dtype.element_ty), mask=label_in_row)
+        tl.store(row_factor_ptr + row, raw_scale / sum_exp)
+    elif WRITE_GRAD:
         valid_scale = tl.where(valid, tl.load(grad_scale_ptr), 0.0)
         raw_scale = logit_scale * inv_temperature * valid_scale
         p_scale = 1.0

@@ -34,7 +34,8 @@ _BLOCK_V_GRAD = 4096
 # Consecutive logits per lane of the stats kernel (one running max per lane). 8 took the forward-only
 # pass 124 -> 101 us per 1008-row chunk of the Llama-3 vocabulary (Qwen2.5 144 -> 118, Gemma-2 253 ->
 # 238) and the pass with the gradient 282 -> 274 (Qwen2.5 334 -> 324), but Gemma-2's bounded-exponent
-# pass with the gradient 571 -> 588: that case keeps one logit per lane (NOTES v11).
+# pass with the gradient 571 -> 588: that case keeps one logit per lane (NOTES v11), and so does its
+# one-pass form (675 us per 1792-row chunk vs 686-791 with lanes of 2, 4 or 8; NOTES v15).
 _LANE_GROUP = 8
 # Softcapped logits satisfy |z| <= softcap / temperature; up to this bound the stats kernel takes its
 # exponentials against the bound instead of a running max (exp(-2 * 40) is still a normal fp32).
@@ -180,15 +181,48 @@ def _kernel_scalars(transform: LogitTransform) -> dict:
     }
 
 
+def _fixed_max(transform: LogitTransform) -> float | None:
+    """The bound softcap / temperature on |z| when the kernel takes exponentials against it, else None."""
+    if transform.softcap is None:
+        return None
+    bound = transform.softcap / transform.temperature
+    return bound if bound <= _FIXED_MAX_LIMIT else None
+
+
+def unnormalized_grad_applies(transform: LogitTransform, dtype: torch.dtype, use_triton: bool) -> bool:
+    """Whether ``chunk_stats`` can write the gradient in one pass as rows to be scaled (``row_factor``).
+
+    Only the Triton kernel's bounded-exponent path (a softcap) does: there the exponentials need no
+    running max, so the buffer can be overwritten while the row's sum is still being taken. Label
+    smoothing and z-loss put the row's sum or lse inside every element, and fp16 lacks the range for
+    values up to e^40: those keep the two-pass gradient."""
+    return (
+        use_triton
+        and _fixed_max(transform) is not None
+        and transform.label_smoothing == 0.0
+        and transform.z_loss == 0.0
+        and dtype in (torch.bfloat16, torch.float32)
+    )
+
+
 def _triton_chunk_stats(
-    raw, labels, transform, out: RowOutputs, grad_scale: torch.Tensor | None, target_raw: torch.Tensor | None
+    raw,
+    labels,
+    transform,
+    out: RowOutputs,
+    grad_scale: torch.Tensor | None,
+    target_raw: torch.Tensor | None,
+    row_factor: torch.Tensor | None,
 ) -> None:
     rows, vocab_size = raw.shape
     placeholder = out.loss
-    # |z| <= softcap / temperature: the kernel's bounded-exponent path when that bound is small enough.
-    fixed_max = None if transform.softcap is None else transform.softcap / transform.temperature
-    use_fixed_max = fixed_max is not None and fixed_max <= _FIXED_MAX_LIMIT
+    fixed_max = _fixed_max(transform)
+    use_fixed_max = fixed_max is not None
+    unnormalized = row_factor is not None
+    if unnormalized and not (grad_scale is not None and unnormalized_grad_applies(transform, raw.dtype, True)):
+        raise ValueError("chunk_stats: row_factor needs grad_scale and a case unnormalized_grad_applies to")
     block_v = min(_BLOCK_V_STATS, _next_power_of_2(vocab_size))
+    lane_group = 1 if use_fixed_max and grad_scale is not None else min(_LANE_GROUP, block_v)
     _kernels._stats_kernel[(rows,)](
         raw,
         raw.stride(0),
@@ -200,6 +234,7 @@ def _triton_chunk_stats(
         out.mean_logit if out.mean_logit is not None else placeholder,
         grad_scale if grad_scale is not None else placeholder,
         target_raw if target_raw is not None else placeholder,
+        row_factor if unnormalized else placeholder,
         vocab_size,
         fixed_max=fixed_max if use_fixed_max else 0.0,
         HAS_EXACT_TARGET=target_raw is not None,
@@ -208,8 +243,9 @@ def _triton_chunk_stats(
         WANT_TOP1=out.is_top1 is not None,
         WANT_MEAN_LOGIT=out.mean_logit is not None,
         WRITE_GRAD=grad_scale is not None,
+        UNNORMALIZED_GRAD=unnormalized,
         BLOCK_V=block_v,
-        LANE_GROUP=1 if use_fixed_max and grad_scale is not None else min(_LANE_GROUP, block_v),
+        LANE_GROUP=lane_group,
         num_warps=_STATS_NUM_WARPS,
         **_kernel_scalars(transform),
     )
@@ -266,14 +302,19 @@ def chunk_stats(
     grad_scale: torch.Tensor | None,
     use_triton: bool,
     target_raw: torch.Tensor | None = None,
+    row_factor: torch.Tensor | None = None,
 ) -> None:
     """Fill ``out`` for the rows of ``raw`` [C, V]. With ``grad_scale`` (fp32 0-d tensor, the
     reduction factor), overwrite ``raw`` in place with grad_scale * d(loss_row)/d(raw), zero for
-    ignored rows. ``target_raw`` (fp32 [C], from :func:`target_logits`) replaces the buffer's
-    rounded target logit in the loss (not in the gradient)."""
+    ignored rows; with ``row_factor`` too (fp32 [C], Triton only, where
+    :func:`unnormalized_grad_applies`), in one pass instead of two: ``raw`` then holds that gradient
+    divided row by row by ``row_factor``, which the kernel fills. ``target_raw`` (fp32 [C], from
+    :func:`target_logits`) replaces the buffer's rounded target logit in the loss (not in the gradient)."""
     if use_triton:
-        _triton_chunk_stats(raw, labels, transform, out, grad_scale, target_raw)
+        _triton_chunk_stats(raw, labels, transform, out, grad_scale, target_raw, row_factor)
     else:
+        if row_factor is not None:
+            raise ValueError("chunk_stats: row_factor is a Triton-only option")
         _torch_chunk_stats(raw, labels, transform, out, grad_scale, target_raw)
 
 
