@@ -42,7 +42,7 @@ rewritten after every shape so a run cut short keeps what it measured, and the s
 beside it (bench.md). ``--budget-min`` (default 8) starts no new shape/data block after that many minutes
 and lists the rest as skipped: run them again with ``--shapes``/``--data``.
 Expected time on an H100 (estimates; torch.compile recompiles per shape, ~30 s each): --quick about
-3 min; the default 8 shapes x 2 data kinds about 8-9 min, so the last blocks may be skipped by the budget
+3 min; the default 9 shapes x 2 data kinds about 9-10 min, so the last blocks may be skipped by the budget
 (``--data peaked`` and ``--data flat`` as two calls fit comfortably).
 """
 
@@ -67,6 +67,7 @@ SHAPES = {
     "llama3-8b": (8192, 4096, 128256, None, False),
     "gemma2-2b": (8192, 2304, 256000, 30.0, False),
     "llama3-8b-frozen": (8192, 4096, 128256, None, True),
+    "gemma2-2b-frozen": (8192, 2304, 256000, 30.0, True),  # LoRA on Gemma-2: the one-pass gradient
     "llama3-8b-n1024": (1024, 4096, 128256, None, False),
     "llama3-8b-n4096": (4096, 4096, 128256, None, False),
     "llama3-8b-n16384": (16384, 4096, 128256, None, False),

@@ -318,6 +318,11 @@ def plan():
     add("bf16 gemma2-2b softcap30 flat", check_case, *GEMMA, opts={"softcap": 30.0}, seed=3)
     add("bf16 gemma2-2b softcap30 peaked", check_case, *GEMMA, data="peaked", opts={"softcap": 30.0}, seed=4)
     add("bf16 llama3-8b frozen W", check_case, *LLAMA, data="peaked", frozen=True, seed=5)
+    # The one-pass softcapped gradient (frozen W only): Gemma-2's shape, and the flattest logits.
+    add("bf16 gemma2-2b softcap30 frozen W peaked", check_case, *GEMMA, data="peaked", opts={"softcap": 30.0},
+        frozen=True, seed=6)  # fmt: skip
+    add("bf16 N=4096 llama D,V: frozen W, logit_scale 0.25 + softcap 30", check_case, 4096, *LLAMA[1:],
+        data="peaked", opts={"logit_scale": 0.25, "softcap": 30.0}, frozen=True, seed=7)  # fmt: skip
     for i, (label, opts) in enumerate(COMBOS.items()):
         bias = "bias" in label
         batch = 4 if opts.get("shift") else None

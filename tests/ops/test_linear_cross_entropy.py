@@ -204,57 +204,56 @@ def _record_row_factors(monkeypatch) -> list:
 
 
 ONE_PASS_CASES = {
-    "rows as slices": ({"softcap": 2.5}, None),
-    "skip_ignored, rows gathered into dh": ({"softcap": 2.5, "skip_ignored": True}, None),
-    "frozen weight (dh only)": ({"softcap": 4.0, "reduction": "sum", "skip_ignored": True}, "weight"),
-    "frozen hidden (dW only)": ({"softcap": 2.5, "num_items_in_batch": 41}, "hidden"),
-    "frozen hidden, skip_ignored (own gather buffer)": ({"softcap": 3.0, "skip_ignored": True}, "hidden"),
-    "logit scale": ({"softcap": 6.0, "logit_scale": 1.7}, None),
+    "rows as slices": {"softcap": 2.5},
+    "skip_ignored, rows gathered into dh": {"softcap": 2.5, "skip_ignored": True},
+    "sum, skip_ignored": {"softcap": 4.0, "reduction": "sum", "skip_ignored": True},
+    "num_items_in_batch, logit scale": {"softcap": 6.0, "logit_scale": 1.7, "num_items_in_batch": 41},
 }
 
 
 @pytest.mark.skipif("triton" not in BACKENDS, reason="the one-pass gradient is a path of the Triton kernel")
 @pytest.mark.parametrize("case", sorted(ONE_PASS_CASES))
 @pytest.mark.parametrize("chunk_size", [3, 8])
-def test_one_pass_softcap_gradient_matches_float64_reference(case, chunk_size, monkeypatch):
-    # With a softcap the kernel writes the gradient in one pass, as rows to be scaled; the scaling is
-    # applied to hidden's rows for dW and to dh's fp32 rows. Every layout of the chunk's rows of hidden
-    # (a view, gathered into dh, gathered into the op's own buffer) must give the reference gradients.
-    options, frozen = ONE_PASS_CASES[case]
+def test_one_pass_softcap_gradient_of_a_frozen_weight_matches_float64_reference(case, chunk_size, monkeypatch):
+    # With a softcap and a frozen W (LoRA) the kernel writes the gradient in one pass, as rows to be
+    # scaled; the factor goes onto dh's fp32 rows. Both layouts of dh's rows (written in place, or
+    # gathered into a stretch of dh and placed back) must give the reference gradient.
+    options = ONE_PASS_CASES[case]
     seen = _record_row_factors(monkeypatch)
     hidden, weight, labels, _ = make_inputs(n=29, d=13, v=71, ignore_every=4)
     labels[:3] = -100
     ref_options = {k: v for k, v in options.items() if k != "skip_ignored"}
-    ref = naive_linear_cross_entropy(hidden.requires_grad_(), weight.requires_grad_(), labels, **ref_options)
-    ref_grads = torch.autograd.grad(ref, [hidden, weight], torch.tensor(1.3, dtype=torch.float64))
-    h = leaf(hidden, torch.float32, requires_grad=frozen != "hidden")
-    w = leaf(weight, torch.float32, requires_grad=frozen != "weight")
+    ref = naive_linear_cross_entropy(hidden.requires_grad_(), weight, labels, **ref_options)
+    (ref_grad,) = torch.autograd.grad(ref, [hidden], torch.tensor(1.3, dtype=torch.float64))
+    h, w = leaf(hidden, torch.float32), leaf(weight, torch.float32, requires_grad=False)
     out = fused_linear_cross_entropy(h, w, labels, backend="triton", chunk_size=chunk_size, **options)
     out.backward(torch.tensor(1.3))
     assert seen and all(seen), seen
     assert rel_err(out, ref) < 1e-5
-    if frozen != "hidden":
-        assert rel_err(h.grad, ref_grads[0]) < 1e-5
-        assert torch.equal(h.grad[:3], torch.zeros_like(h.grad[:3]))
-    if frozen != "weight":
-        assert rel_err(w.grad, ref_grads[1]) < 1e-5
+    assert rel_err(h.grad, ref_grad) < 1e-5
+    assert torch.equal(h.grad[:3], torch.zeros_like(h.grad[:3]))
 
 
 @pytest.mark.skipif("triton" not in BACKENDS, reason="the one-pass gradient is a path of the Triton kernel")
 @pytest.mark.parametrize(
     "options",
-    [{}, {"softcap": 50.0}, {"softcap": 3.0, "label_smoothing": 0.1}, {"softcap": 3.0, "z_loss": 1e-3},
-     {"softcap": 3.0, "bias": True}, {"softcap": 3.0, "dtype": torch.float16}],
+    [{"softcap": 3.0, "trainable": "both"}, {"softcap": 3.0, "trainable": "weight"}, {}, {"softcap": 50.0},
+     {"softcap": 3.0, "label_smoothing": 0.1}, {"softcap": 3.0, "z_loss": 1e-3}, {"softcap": 3.0, "bias": True},
+     {"softcap": 3.0, "dtype": torch.float16}],
     ids=str,
 )  # fmt: skip
 def test_one_pass_gradient_only_where_it_applies(options, monkeypatch):
-    # No softcap (running max), a bound over 40, smoothing or z-loss (sum or lse in every element), a
-    # bias gradient, fp16 (no range for e^40): the two-pass gradient.
+    # A trainable W (its dW GEMM cannot scale its rows), no softcap (running max), a bound over 40,
+    # smoothing or z-loss (sum or lse in every element), a bias gradient, fp16 (no range for e^40): two
+    # passes.
     options = dict(options)
     dtype, bias = options.pop("dtype", torch.float32), options.pop("bias", False)
+    trainable = options.pop("trainable", "hidden")
     seen = _record_row_factors(monkeypatch)
     hidden, weight, labels, b = make_inputs(bias=bias)
-    h, w, bb = (leaf(t, dtype) for t in (hidden, weight, b))
+    h = leaf(hidden, dtype, requires_grad=trainable in ("hidden", "both"))
+    w = leaf(weight, dtype, requires_grad=trainable in ("weight", "both"))
+    bb = leaf(b, dtype)  # a trainable bias: its gradient is the sum of G's rows
     fused_linear_cross_entropy(h, w, labels, bias=bb, backend="triton", chunk_size=16, **options).backward()
     assert seen and not any(seen)
 

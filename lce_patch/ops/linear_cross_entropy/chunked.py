@@ -5,9 +5,9 @@ Tokens are processed ``chunk_rows`` at a time. For each chunk the projection
 operation (Triton kernel or torch, see ``rows.py``) turns it into per-token statistics and, when
 gradients are needed, into the logits gradient in place; two more GEMMs give ``dh_c = G @ W`` and
 ``dW += G.T @ h_c``. Each GEMM reduces over D or V in full, with fp32 accumulation inside the GEMM.
-With a softcap the Triton kernel writes G in one pass as ``U`` and a per-row factor (G = U * factor,
-see kernels.py); the factor goes onto the chunk's rows of hidden for dW and onto the fp32 output
-of ``U @ W`` for dh (a ``[C, D]`` fp32 temporary), since no GEMM scales its K rows.
+With a softcap and a frozen W the Triton kernel writes G in one pass as ``U`` and a per-row factor
+(G = U * factor, see kernels.py), which goes onto the fp32 output of ``U @ W`` (a ``[C, D]`` fp32
+temporary) before dh's one rounding.
 
 Two gradient schedules:
 
@@ -181,6 +181,13 @@ class _GradAccumulator:
         self._dw_written = False
 
     @property
+    def takes_row_factor(self) -> bool:
+        """Whether chunks may come as rows to be scaled (:meth:`add`): when dh is the only gradient.
+        A dW GEMM cannot scale its K rows, and scaling hidden's rows for it rounds them a second
+        time (dW error 1.28x the unfused path's on flat data on the H100, NOTES v15)."""
+        return self.dh is not None and self.dw is None and self.db is None
+
+    @property
     def gathers_into_dh(self) -> bool:
         """Whether the chunks' selected rows of hidden go into dh (:meth:`gather_rows`)."""
         return self.rows_skipped is not None and self.dh is not None
@@ -208,15 +215,11 @@ class _GradAccumulator:
         ``grad_chunk`` is used up: with an index tensor its memory stages the chunk's dh rows.
 
         With ``row_factor`` (fp32 [C]) the chunk's gradient is ``grad_chunk * row_factor[:, None]``
-        (the one-pass kernel's output, see kernels.py), a factor that no GEMM applies to its K rows: it
-        goes onto the chunk's rows of hidden for dW (one rounding to the compute dtype, as G's own)
-        and onto the fp32 output of the dh GEMM before its one rounding. No bias gradient here."""
-        if row_factor is not None and self.db is not None:
-            raise ValueError("_GradAccumulator: row_factor with a bias gradient is not supported")
-        weight_rows = hidden_chunk
-        if row_factor is not None and self.dw is not None:
-            weight_rows = self._scaled_rows(hidden_chunk, row_factor, rows)
-        self._add_weight_grads(grad_chunk, weight_rows)
+        (the one-pass kernel's output, see kernels.py), applied to the fp32 output of the dh GEMM
+        before its one rounding; only for dh alone (:attr:`takes_row_factor`)."""
+        if row_factor is not None and not self.takes_row_factor:
+            raise ValueError("_GradAccumulator: a row_factor is only taken when dh is the only gradient")
+        self._add_weight_grads(grad_chunk, hidden_chunk)
         if self.dh is None:
             return
         if isinstance(rows, slice):
@@ -230,16 +233,6 @@ class _GradAccumulator:
         staging.copy_(dh_rows)
         dh_rows.zero_()
         self.dh.index_copy_(0, rows, staging)
-
-    def _scaled_rows(self, hidden_chunk: torch.Tensor, row_factor: torch.Tensor, rows) -> torch.Tensor:
-        """``hidden_chunk * row_factor[:, None]`` in the compute dtype (computed in fp32): in place for
-        the op's own gathered copy; for a view of the caller's hidden, into dh's rows of the chunk,
-        which the dh GEMM overwrites only after the dW GEMM has read them."""
-        factor = row_factor[:, None]
-        if not isinstance(rows, slice):
-            return hidden_chunk.mul_(factor)
-        out = self.dh[rows] if self.dh is not None else torch.empty_like(hidden_chunk)
-        return torch.mul(hidden_chunk, factor, out=out)
 
     def _dh_product(self, grad_chunk: torch.Tensor, row_factor: torch.Tensor | None, out: torch.Tensor):
         if row_factor is None:
@@ -404,11 +397,12 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             target_raw = target_logits(hidden, weight, bias, labels, use_triton, row_index)
         buffer = torch.empty(min(chunk_rows, max(num_rows, 1)), vocab_size, dtype=hidden.dtype, device=device)
         gathered = _gather_buffer(hidden, row_index, buffer.shape[0], grads)
-        # The one-pass gradient (rows to be scaled by row_factor) where the kernel has it (softcap).
+        # The one-pass gradient (rows to be scaled by row_factor) where the kernel has it (softcap)
+        # and only dh is computed (a frozen W, as under LoRA).
         row_factor = None
         if (
             grads is not None
-            and not needs_bias
+            and grads.takes_row_factor
             and unnormalized_grad_applies(transform, hidden.dtype, use_triton)
             and fp32_output_gemm_available(device)
         ):

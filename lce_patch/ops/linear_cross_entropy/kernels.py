@@ -46,11 +46,12 @@ which bound the softcapped passes): each logit is overwritten as it is read with
 which needs no running max since every exponent is bounded, and after the loop the target's
 element becomes ``(exp(z_y - ref) - sum_exp) * (1 - tanh_y**2)``. The row's gradient is then
 ``U * row_factor`` with ``row_factor = reduction factor * logit_scale / temperature / sum_exp``, an
-fp32 value per row that the kernel stores; the GEMMs apply it (chunked.py: to the rows of hidden
-for dW, to the fp32 rows of dh before their one rounding). ``ref`` keeps U in range: at most e^40
-per element (the sum stays finite in fp32 for any V), and the row's largest at least e^-40, also
-for a row whose logits all sit near -bound. On the H100 this pass took 675 us per 1792-row chunk of
-the Gemma-2 vocabulary against 991 for the two passes (NOTES v15).
+fp32 value per row that the kernel stores and chunked.py applies to the fp32 rows of ``U @ W``
+before dh's one rounding. ``ref`` keeps U in range: at most e^40 per element (the sum stays finite
+in fp32 for any V), and the row's largest at least e^-40, also for a row whose logits all sit near
+-bound. On the H100 this pass took 675 us per 1792-row chunk of the Gemma-2 vocabulary against 991
+for the two passes (NOTES v15). The op uses it only when dh is the only gradient (a frozen W): a
+dW GEMM cannot scale its K rows, and putting the factor on hidden's rows rounds them a second time.
 
 ``_grad_kernel`` (a 2-D grid over rows and vocab blocks) is the backward of per-token outputs:
 it takes the saved ``lse`` and entropy and per-row upstream gradients of the loss and of the
