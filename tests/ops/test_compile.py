@@ -92,6 +92,8 @@ def _run_ops():
         ).sum().backward()
         with torch.no_grad():
             fused_linear_cross_entropy(hidden, weight, labels, backend="triton", **options)
+        if options.get("softcap") == 30.0:  # a frozen W: the one-pass softcapped gradient
+            fused_linear_cross_entropy(hidden, weight.detach(), labels, backend="triton", **options).backward()
         out = fused_linear_log_probs(
             hidden, weight, labels, backend="triton", return_entropy=True, return_is_top1=True, skip_ignored=True,
             precompute_grad=True, softcap=options.get("softcap"),
@@ -116,6 +118,7 @@ def test_every_launched_kernel_variant_compiles_for_sm90(monkeypatch):
     payload = list(payload.values())
     names = {variant["kernel"] for variant in payload}
     assert {"_stats_kernel", "_grad_kernel", "_target_logit_kernel", "_scale_inplace_kernel"} <= names
+    assert any(kwargs.get("UNNORMALIZED_GRAD") for _, _, kwargs in launches)  # the one-pass variant too
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     result = subprocess.run(
         [sys.executable, "-c", _COMPILE_SCRIPT], input=json.dumps(payload), env=env, capture_output=True, text=True

@@ -235,6 +235,27 @@ def test_one_pass_softcap_gradient_of_a_frozen_weight_matches_float64_reference(
 
 
 @pytest.mark.skipif("triton" not in BACKENDS, reason="the one-pass gradient is a path of the Triton kernel")
+@pytest.mark.parametrize("skip_ignored", [False, True])
+def test_one_pass_gradient_of_precomputed_token_log_probs(skip_ignored, monkeypatch):
+    # fused_linear_log_probs with precompute_grad (TRL's SFT path) and a frozen W, with a temperature:
+    # the precomputed gradient of the mean over valid tokens comes from the one-pass kernel.
+    seen = _record_row_factors(monkeypatch)
+    hidden, weight, labels, _ = make_inputs(batch=2, n=11, d=13, v=71)
+    labels[:, :3] = -100
+    options = {"softcap": 5.0, "temperature": 0.7, "logit_scale": 1.3}
+    log_probs, _, _ = naive_token_outputs(hidden.requires_grad_(), weight, labels, **options)
+    (ref_grad,) = torch.autograd.grad(-log_probs.sum() / (labels != -100).sum(), [hidden])
+    h, w = leaf(hidden, torch.float32), leaf(weight, torch.float32, requires_grad=False)
+    out = fused_linear_log_probs(
+        h, w, labels, backend="triton", chunk_size=4, skip_ignored=skip_ignored, precompute_grad=True, **options
+    )
+    assert seen and all(seen), seen
+    assert rel_err(out.log_probs, log_probs) < 1e-5
+    (-out.log_probs.sum() / out.label_mask.sum()).backward()
+    assert rel_err(h.grad, ref_grad) < 1e-5
+
+
+@pytest.mark.skipif("triton" not in BACKENDS, reason="the one-pass gradient is a path of the Triton kernel")
 @pytest.mark.parametrize(
     "options",
     [{"softcap": 3.0, "trainable": "both"}, {"softcap": 3.0, "trainable": "weight"}, {}, {"softcap": 50.0},
