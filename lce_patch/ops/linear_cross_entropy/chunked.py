@@ -141,21 +141,13 @@ def _mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.mm(a.float(), b.float())  # the CPU interpreter's tests: no fp32-output GEMM there
 
 
-_FP32_OUTPUT_GEMM: dict[str, bool] = {}
+# torch's fp32-output GEMM (``mm(..., out_dtype=)``, CUDA) exists from torch 2.8 on; the package allows older.
+_HAS_FP32_OUTPUT_MM = "dtype" in torch.ops.aten.mm.overloads()
 
 
 def fp32_output_gemm_available(device: torch.device) -> bool:
     """Whether :func:`_mm_fp32` runs on ``device`` (CUDA needs torch's ``mm(..., out_dtype=)``)."""
-    if device.type != "cuda":
-        return True
-    if "cuda" not in _FP32_OUTPUT_GEMM:
-        probe = torch.zeros(1, 1, dtype=torch.bfloat16, device=device)
-        try:
-            torch.mm(probe, probe, out_dtype=torch.float32)
-            _FP32_OUTPUT_GEMM["cuda"] = True
-        except (TypeError, RuntimeError, NotImplementedError):
-            _FP32_OUTPUT_GEMM["cuda"] = False
-    return _FP32_OUTPUT_GEMM["cuda"]
+    return device.type != "cuda" or _HAS_FP32_OUTPUT_MM
 
 
 class _GradAccumulator:

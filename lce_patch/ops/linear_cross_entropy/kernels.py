@@ -331,19 +331,18 @@ def _stats_kernel(
     if WANT_MEAN_LOGIT:
         tl.store(mean_logit_ptr + row, tl.where(valid, sum_z / vocab_size, 0.0))
 
+    if WRITE_GRAD:
+        valid_scale = tl.where(valid, tl.load(grad_scale_ptr), 0.0)
+        raw_scale = logit_scale * inv_temperature * valid_scale
     if WRITE_GRAD and UNNORMALIZED_GRAD:
         # The loop stored U_j = exp(z_j - ref) * (1 - tanh_j**2); the gradient is U_j * factor with
         # factor = raw_scale / sum_exp, once the target's element holds (exp(z_y - ref) - sum_exp) *
         # (1 - tanh_y**2). The barrier orders that store after every thread's stores of the loop.
-        valid_scale = tl.where(valid, tl.load(grad_scale_ptr), 0.0)
-        raw_scale = logit_scale * inv_temperature * valid_scale
         tl.debug_barrier()
         target_unnormalized = (tl.exp(target_z - ref_max) - sum_exp) * (1.0 - target_t * target_t)
         tl.store(row_ptr + safe_label, target_unnormalized.to(logits_ptr.dtype.element_ty), mask=label_in_row)
         tl.store(row_factor_ptr + row, raw_scale / sum_exp)
     elif WRITE_GRAD:
-        valid_scale = tl.where(valid, tl.load(grad_scale_ptr), 0.0)
-        raw_scale = logit_scale * inv_temperature * valid_scale
         p_scale = 1.0
         if HAS_Z_LOSS:
             p_scale = 1.0 + 2.0 * z_loss * lse
