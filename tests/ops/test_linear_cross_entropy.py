@@ -313,6 +313,8 @@ def test_one_pass_gradient_rows_agree_with_the_two_pass_kernel_on_extreme_rows()
 
     tanh = torch.tanh(raw.double() / softcap)
     p = torch.softmax(softcap * tanh, dim=1)
+    z = softcap * tanh
+    expected_loss = torch.logsumexp(z, dim=1) - z.gather(1, labels.clamp(min=0)[:, None]).squeeze(1)
     valid = labels != -100
     onehot = torch.zeros_like(p).scatter_(1, labels.clamp(min=0)[:, None], 1.0)
     expected = (p - onehot) * (1 - tanh**2) * 0.25 * valid[:, None]
@@ -322,7 +324,11 @@ def test_one_pass_gradient_rows_agree_with_the_two_pass_kernel_on_extreme_rows()
             assert torch.isnan(one_out.loss[row]) and torch.isnan(two_out.loss[row])
             continue
         assert rel_err(one_pass[row], two_pass[row]) < 1e-5, row
-        assert abs(one_out.loss[row] - two_out.loss[row]) <= 1e-6 * max(1.0, abs(float(two_out.loss[row]))), row
+        # Each loss against float64: lse is taken around logits of ~30 in fp32 (ulp 1.9e-6), so either
+        # kernel is off by a few ulps of that, and the two from each other by up to twice as much.
+        want = 0.0 if row == 3 else float(expected_loss[row])
+        for loss in (float(one_out.loss[row]), float(two_out.loss[row])):
+            assert abs(loss - want) <= 5e-6 * max(1.0, abs(want)), row
         if row not in (1, 2):  # saturated fp32 tanh there (1 - tanh**2 from t within ulps of +-1), in both
             assert rel_err(one_pass[row], expected[row]) < 1e-5, row
     assert torch.equal(one_pass[3], torch.zeros_like(one_pass[3]))
