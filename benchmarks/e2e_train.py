@@ -1,5 +1,12 @@
 """End-to-end training steps at a real size: unpatched vs lce_patch, under transformers.Trainer and
-TRL's SFTTrainer (its own fused head vs lce_patch's op serving it).
+TRL's SFTTrainer (its own fused head vs lce_patch's op serving it), eager or compiled, alone or with
+Liger-Kernel's kernels.
+
+A setup is a base, ``trainer`` or ``sft`` (``sft-trl-head``: TRL's own fused head), plus any of
+``+lce_patch`` (FusedLCECallback), ``+compile`` (``TrainingArguments(torch_compile=True)``; the
+first, compiling step is not timed), ``+liger`` (``use_liger_kernel=True``: all of Liger's kernels,
+its fused loss included) and ``+liger-nonloss`` (Liger's RMSNorm/RoPE/SwiGLU/GeGLU kernels, its
+fused loss off: ``liger_kernel_config={"fused_linear_cross_entropy": False}``).
 
 Models are built from configs (random weights, no download): Llama-3.2-1B's (hidden 2048, vocab
 128256) and Gemma-2-2B's (final-logit softcap 30). One process; for each setup it runs a few
@@ -7,6 +14,7 @@ optimizer steps of batch 1 x ``--seq-len`` tokens in bf16 and reports peak GPU m
 tokens/s over the steps after the first.
 
     python benchmarks/e2e_train.py --seq-len 4096 --steps 6
+    python benchmarks/e2e_train.py --seq-len 8192 --setups trainer,trainer+lce_patch,trainer+compile+lce_patch
 """
 
 from __future__ import annotations
@@ -80,16 +88,19 @@ class _Timer:
 
 def run(setup: str, model_name: str, seq_len: int, steps: int, out_dir: str, prompt_fraction: float = 0.0) -> dict:
     import torch
-    from datasets import Dataset
 
     from lce_patch import FusedLCECallback
+
+    parts = setup.split("+")
+    unknown = set(parts[1:]) - {"lce_patch", "compile", "liger", "liger-nonloss"}
+    if parts[0] not in ("trainer", "sft", "sft-trl-head") or unknown:
+        raise ValueError(f"unknown setup {setup!r}")
 
     model = build_model(model_name)
     model.gradient_checkpointing_enable()
     vocab = model.config.vocab_size
     generator = torch.Generator().manual_seed(0)
     rows = [{"input_ids": torch.randint(0, vocab, (seq_len,), generator=generator).tolist()} for _ in range(steps)]
-    dataset = Dataset.from_list(rows)
     prompt_len = int(prompt_fraction * seq_len)
 
     def make_labels(ids: torch.Tensor) -> torch.Tensor:
@@ -98,7 +109,7 @@ def run(setup: str, model_name: str, seq_len: int, steps: int, out_dir: str, pro
         return labels
 
     timer = _Timer()
-    callbacks = [timer.callback] + ([FusedLCECallback()] if setup.endswith("lce_patch") else [])
+    callbacks = [timer.callback] + ([FusedLCECallback()] if "lce_patch" in parts else [])
     common = dict(
         output_dir=out_dir,
         max_steps=steps,
@@ -109,7 +120,12 @@ def run(setup: str, model_name: str, seq_len: int, steps: int, out_dir: str, pro
         logging_steps=1,
         learning_rate=1e-5,
         disable_tqdm=True,
+        torch_compile="compile" in parts,
     )
+    if "liger" in parts or "liger-nonloss" in parts:
+        common["use_liger_kernel"] = True
+        if "liger-nonloss" in parts:
+            common["liger_kernel_config"] = {"fused_linear_cross_entropy": False}
     torch.cuda.reset_peak_memory_stats()
     if setup.startswith("trainer"):
         from transformers import Trainer, TrainingArguments
@@ -121,13 +137,14 @@ def run(setup: str, model_name: str, seq_len: int, steps: int, out_dir: str, pro
         trainer = Trainer(
             model=model,
             args=TrainingArguments(**common),
-            train_dataset=dataset,
+            train_dataset=rows,  # a list: the plain Trainer needs no datasets package
             data_collator=collate,
             callbacks=callbacks,
         )
     else:
         import sys
 
+        from datasets import Dataset
         from trl import SFTConfig, SFTTrainer
 
         sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "recipes"))
@@ -139,7 +156,7 @@ def run(setup: str, model_name: str, seq_len: int, steps: int, out_dir: str, pro
             # data is tokenized already, so the recipes' offline tokenizer does.
             processing_class=build_embedded_tokenizer(),
             args=SFTConfig(**common, max_length=seq_len, dataset_kwargs={"skip_prepare_dataset": True}),
-            train_dataset=dataset,
+            train_dataset=Dataset.from_list(rows),
             callbacks=callbacks,
             data_collator=lambda b: {
                 "input_ids": torch.tensor([x["input_ids"] for x in b]),
@@ -155,6 +172,7 @@ def run(setup: str, model_name: str, seq_len: int, steps: int, out_dir: str, pro
         "seq_len": seq_len,
         "prompt_fraction": prompt_fraction,
         "steps": steps,
+        "versions": _versions(),
         "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
         "tokens_per_s": seq_len * (steps - 1) / (timer.stop - timer.start),
         "losses": losses,
@@ -163,6 +181,18 @@ def run(setup: str, model_name: str, seq_len: int, steps: int, out_dir: str, pro
     gc.collect()
     torch.cuda.empty_cache()
     return result
+
+
+def _versions() -> dict:
+    from importlib.metadata import PackageNotFoundError, version
+
+    found = {}
+    for name in ("torch", "triton", "transformers", "trl", "liger-kernel"):
+        try:
+            found[name] = version(name)
+        except PackageNotFoundError:
+            pass
+    return found
 
 
 def main() -> None:

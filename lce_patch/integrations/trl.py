@@ -341,6 +341,7 @@ def _make_forward(
                 temperature=temperature,
                 return_entropy=want_entropy,
                 return_is_top1=want_top1,
+                skip_ignored=skip_ignored and num_valid_tokens is None,
                 num_valid_tokens=num_valid_tokens,
                 precompute_grad=precompute_grad,
                 **op_kwargs,
@@ -362,7 +363,9 @@ def _make_forward(
             raise ValueError("lce_patch: model(..., fused_lm_head=True) needs `labels` or `shift_labels`")
 
         read_valid_count = None
-        if skip_ignored:  # counted before the backbone is queued; read after it (no pipeline stall)
+        # Counted before the backbone is queued, read after it (no pipeline stall); under torch.compile
+        # the op counts inside its operator instead (reading the count here would break the graph).
+        if skip_ignored and not torch.compiler.is_compiling():
             targets = labels if shift_labels is None else shift_labels
             read_valid_count = _ops.start_valid_token_count(targets, _IGNORE_INDEX, shift=shift_labels is None)
         kwargs["use_cache"] = False

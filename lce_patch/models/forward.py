@@ -139,6 +139,7 @@ def fused_causal_lm_loss(
             backend=options.backend,
             chunk_size=options.chunk_size,
             deterministic=options.deterministic,
+            skip_ignored=options.skip_ignored and num_valid_tokens is None,
             num_valid_tokens=num_valid_tokens,
         )
 
@@ -222,9 +223,10 @@ def _fused_forward(
 
     shift_labels = call.get("shift_labels")
     read_valid_count = None
-    if options.skip_ignored:
+    if options.skip_ignored and not torch.compiler.is_compiling():
         # Counted before the decoder is queued, read after: the loss then skips ignored tokens
-        # without waiting for the forward to finish (see start_valid_token_count).
+        # without waiting for the forward to finish (see start_valid_token_count). Under
+        # torch.compile reading the count would break the graph: the op counts inside its operator.
         targets = shift_labels if shift_labels is not None else labels
         ignore_index = call.get("ignore_index", options.ignore_index)
         read_valid_count = start_valid_token_count(targets, ignore_index, shift=shift_labels is None)

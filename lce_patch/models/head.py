@@ -95,6 +95,10 @@ def head_call(lm_head: torch.nn.Module, fn: Callable[..., Any], *args: Any) -> A
     """
     module = resolve_head_module(lm_head)
     inner = _fsdp1_inner(module)
+    if torch.compiler.is_compiling():
+        # dynamo cannot trace a module whose ``forward`` is swapped for one call; a compiled model
+        # reads the head's parameters directly (FSDP/ZeRO-3 with a compiled patched model: not verified).
+        return fn(*_head_params(inner), *args)
 
     def redirected(*call_args: Any) -> Any:
         weight, bias = _head_params(inner)

@@ -180,3 +180,25 @@ def test_trl_hook_is_called_at_train_begin(tmp_path, monkeypatch):
     monkeypatch.setattr(FusedLCECallback, "install_trainer_heads", lambda self, model, args=None: seen.append(model))
     trainer, _, _ = _train(tmp_path, [FusedLCECallback()])
     assert seen == [trainer.model]
+
+
+def test_torch_compile_training_equals_an_unpatched_eager_run(tmp_path, monkeypatch):
+    """``TrainingArguments(torch_compile=True)`` with the callback: the compiled patched model trains
+    like the unpatched model in eager mode (losses and final weights), through the op's compiled path."""
+    from lce_patch.ops.linear_cross_entropy import functional
+
+    traced = []
+    real = functional.compiled_linear_cross_entropy
+    monkeypatch.setattr(functional, "compiled_linear_cross_entropy", lambda *a, **k: traced.append(1) or real(*a, **k))
+    torch._dynamo.reset()
+    _, ref_losses, (_, ref_final) = _train(tmp_path / "ref", [])
+    trainer, losses, (initial, final) = _train(
+        tmp_path / "compiled", [FusedLCECallback(backend="torch")], torch_compile=True
+    )
+    torch._dynamo.reset()
+    assert is_patched(trainer.model)
+    assert trainer.args.torch_compile and traced  # the loss went through the custom operator
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    assert any(not torch.equal(final[name], initial[name]) for name in final)
+    for name, param in final.items():
+        assert_close(param, ref_final[name], rel=1e-6, what=name)

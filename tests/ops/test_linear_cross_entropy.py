@@ -387,13 +387,11 @@ def test_forward_only_chunks_use_the_bytes_of_the_missing_dw_and_no_more(num_row
 
 
 def test_forward_only_default_chunk_counts_the_dw_only_of_a_trainable_weight(monkeypatch):
-    from lce_patch.ops.linear_cross_entropy import functional
+    from lce_patch.ops.linear_cross_entropy import chunked
 
     seen = []
-    real = functional.default_chunk_rows
-    monkeypatch.setattr(
-        functional, "default_chunk_rows", lambda *a, **k: seen.append(k["spare_bytes"]) or real(*a, **k)
-    )
+    real = chunked.default_chunk_rows
+    monkeypatch.setattr(chunked, "default_chunk_rows", lambda *a, **k: seen.append(k["spare_bytes"]) or real(*a, **k))
     hidden, weight, labels, _ = make_inputs()
     h = leaf(hidden, torch.float32)
     for trainable in (True, False):
@@ -678,8 +676,31 @@ def test_is_top1_breaks_ties_at_the_first_index_like_argmax(backend, first, seco
         (lambda a: a.update(weight=a["weight"].to("meta")), "one device"),
         (lambda a: a.update(num_valid_tokens=28), "num_valid_tokens=28 but 29"),
         (lambda a: a.update(num_valid_tokens=38), "exceeds the number of tokens"),
-        (lambda a: a.update(num_valid_tokens=-1), "non-negative Python int"),
-        (lambda a: a.update(num_valid_tokens=torch.tensor(29)), "non-negative Python int"),
+        (lambda a: a.update(num_valid_tokens=-1), "num_valid_tokens must be >= 0"),
+        (lambda a: a.update(num_valid_tokens=torch.tensor(29)), "num_valid_tokens must be a Python int"),
+        (lambda a: a.update(num_items_in_batch=torch.tensor(0)), "num_items_in_batch must be finite and > 0"),
+        (lambda a: a.update(num_items_in_batch=torch.tensor(-3.0)), "num_items_in_batch must be finite and > 0"),
+        (lambda a: a.update(num_items_in_batch=torch.tensor(float("inf"))), "num_items_in_batch must be finite"),
+        (lambda a: a.update(num_items_in_batch=torch.tensor([3, 4])), "one-element tensor"),
+        (lambda a: a.update(num_items_in_batch=torch.tensor(True)), "real number"),
+        (lambda a: a.update(num_items_in_batch=float("nan")), "num_items_in_batch must be a finite number"),
+        (lambda a: a.update(num_items_in_batch=-2), "num_items_in_batch must be >= 0"),
+        (lambda a: a.update(num_items_in_batch="7"), "num_items_in_batch must be a finite number"),
+        (lambda a: a.update(softcap=float("inf")), "softcap must be a finite number or None"),
+        (lambda a: a.update(softcap=0.0), "softcap must be > 0"),
+        (lambda a: a.update(z_loss=float("nan")), "z_loss must be a finite number"),
+        (lambda a: a.update(label_smoothing="0.1"), "label_smoothing must be a finite number"),
+        (lambda a: a.update(logit_scale=float("nan")), "logit_scale must be a finite number"),
+        (lambda a: a.update(ignore_index=None), "ignore_index must be a Python int"),
+        (lambda a: a.update(ignore_index=-100.0), "ignore_index must be a Python int"),
+        (lambda a: a.update(chunk_size=True), "chunk_size must be a Python int"),
+        (lambda a: a.update(chunk_size=8.0), "chunk_size must be a Python int"),
+        (lambda a: a.update(bias=[0.0] * 101), "bias must be a torch.Tensor or None"),
+        (lambda a: a.update(hidden=a["hidden"].tolist()), "hidden must be a torch.Tensor"),
+        (lambda a: a.update(labels=None), "labels must be a torch.Tensor"),
+        (lambda a: a.update(shift="yes"), "shift must be a bool"),
+        (lambda a: a.update(skip_ignored=1), "skip_ignored must be a bool"),
+        (lambda a: a.update(backend="triton", hidden=a["hidden"].double(), weight=a["weight"].double()), "float64"),
     ],
 )
 def test_bad_input_gives_a_clear_error(mutate, message):
@@ -710,3 +731,71 @@ def test_module_wrapper():
     assert "softcap=4.0" in repr(module)
     with pytest.raises(ValueError, match="unknown reduction"):
         FusedLinearCrossEntropy(reduction="bad")
+
+
+@pytest.mark.parametrize(
+    "mutate, message",
+    [
+        (lambda a: a.update(temperature=0.0), "temperature must be > 0"),
+        (lambda a: a.update(temperature=float("inf")), "temperature must be a finite number"),
+        (lambda a: a.update(precompute_grad=None), "precompute_grad must be a bool"),
+    ],
+)
+def test_bad_input_to_log_probs_gives_a_clear_error(mutate, message):
+    hidden, weight, labels, _ = make_inputs()
+    args = {"hidden": hidden.float(), "weight": weight.float(), "labels": labels, "backend": "torch"}
+    mutate(args)
+    with pytest.raises(ValueError, match=message):
+        fused_linear_log_probs(**args)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("num_items", [0, 0.0, torch.tensor(0), torch.tensor(0.0)], ids=repr)
+def test_num_items_in_batch_zero_is_a_zero_loss_when_every_label_is_ignored(backend, num_items):
+    """Trainer's count is 0 only for a window with no valid label: then, as for the mean of an
+    all-ignored batch, the loss is 0 with zero gradients; a number or a tensor behave the same."""
+    hidden, weight, labels, _ = make_inputs()
+    labels[:] = -100
+    h, w = leaf(hidden, torch.float32), leaf(weight, torch.float32)
+    loss = fused_linear_cross_entropy(h, w, labels, num_items_in_batch=num_items, backend=backend)
+    loss.backward()
+    assert loss.item() == 0.0
+    assert not h.grad.any() and not w.grad.any()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("per_token", [False, True])
+def test_second_order_gradients_are_refused_clearly(backend, per_token):
+    hidden, weight, labels, _ = make_inputs()
+    h, w = leaf(hidden, torch.float32), leaf(weight, torch.float32)
+    if per_token:
+        loss = fused_linear_log_probs(h, w, labels, backend=backend, return_entropy=True).entropy.sum()
+    else:
+        loss = fused_linear_cross_entropy(h, w, labels, backend=backend)
+    with pytest.raises(RuntimeError, match="fused_linear_cross_entropy: second-order gradients"):
+        torch.autograd.grad(loss, h, create_graph=True)
+    # First-order gradients of a fresh call are unaffected
+    loss = fused_linear_cross_entropy(h, w, labels, backend=backend)
+    (grad,) = torch.autograd.grad(loss, h)
+    assert torch.isfinite(grad).all()
+
+
+@pytest.mark.parametrize(
+    "options", [{}, {"softcap": 2.5, "label_smoothing": 0.1, "z_loss": 1e-3}, {"reduction": "none"}]
+)
+def test_float64_computes_in_float64(options):
+    """float64 inputs run the torch backend in float64 (statistics too): ~1e-12 of the reference."""
+    hidden, weight, labels, bias = make_inputs(bias=True)
+    ref_leaves = [t.clone().requires_grad_() for t in (hidden, weight, bias)]
+    ref = naive_linear_cross_entropy(ref_leaves[0], ref_leaves[1], labels, bias=ref_leaves[2], **options)
+    upstream = torch.randn_like(ref) if ref.dim() else torch.tensor(1.3, dtype=torch.float64)
+    ref.backward(upstream)
+    ours = [t.clone().requires_grad_() for t in (hidden, weight, bias)]
+    loss = fused_linear_cross_entropy(ours[0], ours[1], labels, bias=ours[2], chunk_size=8, **options)
+    assert loss.dtype == torch.float64
+    loss.backward(upstream)
+    assert rel_err(loss, ref) < 1e-12
+    for got, want in zip(ours, ref_leaves):
+        assert got.grad.dtype == torch.float64 and rel_err(got.grad, want.grad) < 1e-12
+    out = fused_linear_log_probs(hidden, weight, labels, return_entropy=True)
+    assert out.log_probs.dtype == torch.float64 and out.entropy.dtype == torch.float64

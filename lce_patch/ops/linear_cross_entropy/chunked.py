@@ -30,14 +30,19 @@ Memory above inputs and gradients: the one logits buffer plus O(N) fp32 vectors.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import NamedTuple
+
 import torch
 
+from .checks import check_labels, check_num_items, selected_rows
 from .rows import (
     LogitTransform,
     RowOutputs,
     chunk_grad,
     chunk_stats,
     scale_inplace,
+    stats_dtype,
     target_logits,
     unnormalized_grad_applies,
 )
@@ -169,7 +174,8 @@ class _GradAccumulator:
         self.dw_fp32 = weight.dtype == torch.float16
         dw_dtype = torch.float32 if self.dw_fp32 else weight.dtype
         self.dw = torch.empty(weight.shape, dtype=dw_dtype, device=weight.device) if needs_weight else None
-        self.db = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if needs_bias else None
+        db_dtype = stats_dtype(bias.dtype) if needs_bias else None
+        self.db = torch.zeros(bias.shape, dtype=db_dtype, device=bias.device) if needs_bias else None
         self._dw_written = False
 
     @property
@@ -241,7 +247,7 @@ class _GradAccumulator:
                 self.dw.addmm_(grad_chunk.t(), hidden_chunk)
             self._dw_written = True
         if self.db is not None:
-            self.db += grad_chunk.sum(dim=0, dtype=torch.float32)
+            self.db += grad_chunk.sum(dim=0, dtype=self.db.dtype)
 
     def results(self, weight_dtype, bias_dtype):
         if self.dw is not None and not self._dw_written:
@@ -303,165 +309,346 @@ def _uniform_factor(
     """``g / precompute_scale`` (0-d) when every non-ignored row got the same upstream gradient ``g``, else None.
 
     ``grad_loss`` and ``labels`` are of the same rows. One host sync: whether the precomputed
-    gradients apply decides which kernels to launch.
+    gradients apply decides which kernels to launch (none while a CUDA graph is captured: None).
     """
     grad_loss = grad_loss.reshape(-1)
     if grad_loss.numel() == 0:
-        return torch.zeros((), dtype=torch.float32, device=grad_loss.device)
+        return torch.zeros((), dtype=precompute_scale.dtype, device=grad_loss.device)
+    if grad_loss.is_cuda and torch.cuda.is_current_stream_capturing():
+        return None
     valid = labels != ignore_index
     first = grad_loss.index_select(0, valid.int().argmax().view(1))  # the first valid row's (row 0 if none)
     if not bool(((grad_loss == first) | ~valid).all()):
         return None
-    return torch.where(valid.any(), first[0].float() / precompute_scale, 0.0)
+    return torch.where(valid.any(), first[0].to(precompute_scale.dtype) / precompute_scale, 0.0)
 
 
-def _rescaled(grad: torch.Tensor | None, factor: torch.Tensor, use_triton: bool) -> torch.Tensor | None:
+def _rescaled(grad: torch.Tensor | None, factor: torch.Tensor, in_place: bool) -> torch.Tensor | None:
     if grad is None:
         return None
-    if use_triton:  # in place, free when the factor is exactly 1; the kernel leaves autograd's version alone
+    if in_place:  # free when the factor is exactly 1; the Triton kernel leaves autograd's version alone
         scale_inplace(grad, factor, True)
         return grad
     return grad * factor  # a saved tensor scaled in place would fail a second backward's version check
 
 
-class LinearCrossEntropyFunction(torch.autograd.Function):
-    """Chunked fused projection + cross-entropy; see the module docstring.
+def resolve_chunk_rows(
+    chunk_size: int | None,
+    processed_rows: int,
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    use_triton: bool,
+    any_grad: bool,
+) -> int:
+    """``chunk_size``, or :func:`default_chunk_rows` for ``processed_rows`` rows."""
+    if chunk_size is not None:
+        return chunk_size
+    num_sms = torch.cuda.get_device_properties(hidden.device).multi_processor_count if hidden.is_cuda else None
+    # Evaluation of a trainable W: the buffer may take the bytes its dW would have taken.
+    spare = weight.numel() * weight.element_size() if weight.requires_grad and not any_grad else 0
+    return default_chunk_rows(
+        processed_rows,
+        weight.shape[0],
+        hidden.dtype,
+        use_triton,
+        hidden_size=hidden.shape[-1],
+        num_sms=num_sms,
+        spare_bytes=spare,
+    )
 
-    Inputs: hidden [N, D], weight [V, D], bias [V] or None (all one float dtype), labels [N] int64,
-    reduce_scale: fp32 0-d tensor for a scalar loss (the factor applied to the sum) or None for
-    per-token outputs; row_index: int64 [M] rows to process (every other row is ignored: zero loss
-    and gradient), or None for all. Outputs: loss (0-d, or [N] fp32), entropy [N] fp32 (or empty),
-    is_top1 [N] bool (or empty), mean_logit [N] fp32 (or empty).
+
+@dataclass(frozen=True)
+class ChunkedOptions:
+    """Everything about one call of the chunked op that is not a tensor.
+
+    reduction: "mean" (over valid labels), "sum", "items" (sum / num_items_in_batch) for a scalar loss,
+    or None for per-token outputs. needs_grad: whether (hidden, weight, bias) get gradients. want:
+    whether to compute (entropy, is_top1, mean_logit). chunk_size: rows per chunk, None for the default.
+    skip_ignored / num_valid_tokens: process the valid rows only (see :func:`checks.selected_rows`).
+    """
+
+    transform: LogitTransform
+    reduction: str | None
+    use_triton: bool
+    needs_grad: tuple[bool, bool, bool]
+    want: tuple[bool, bool, bool] = (False, False, False)
+    chunk_size: int | None = None
+    skip_ignored: bool = False
+    num_valid_tokens: int | None = None
+    precompute_grad: bool = False
+
+
+class ForwardOutputs(NamedTuple):
+    """What :func:`chunked_forward` computes.
+
+    loss: 0-d for a scalar loss, else [N] (0 where ignored); entropy, is_top1 (bool), mean_logit: [N]
+    or None when not wanted. For the backward: ``row_index`` (the processed rows, None for all), their
+    ``row_labels`` [M], ``lse`` [M] and ``processed_entropy`` [M] (None without entropy); ``grads``
+    (dh, dw, db, each None when not needed) when the gradient was computed in the forward, and
+    ``grad_scale`` (the factor precomputed gradients carry, per-token outputs only); ``chunk_rows``.
+    """
+
+    loss: torch.Tensor
+    entropy: torch.Tensor | None
+    is_top1: torch.Tensor | None
+    mean_logit: torch.Tensor | None
+    lse: torch.Tensor
+    processed_entropy: torch.Tensor | None
+    row_index: torch.Tensor | None
+    row_labels: torch.Tensor
+    grads: tuple | None
+    grad_scale: torch.Tensor | None
+    chunk_rows: int
+
+
+def _reduce_scale(
+    reduction: str | None, num_valid: torch.Tensor, num_items: torch.Tensor | None, dtype: torch.dtype
+) -> torch.Tensor | None:
+    """The factor a scalar loss applies to the sum of token losses (0-d), None for per-token outputs."""
+    if reduction is None:
+        return None
+    if reduction == "mean":
+        return 1.0 / num_valid.clamp(min=1).to(dtype)
+    if reduction == "sum":
+        return torch.ones((), dtype=dtype, device=num_valid.device)
+    num_items = num_items.to(device=num_valid.device, dtype=dtype).reshape(())
+    check_num_items(num_items, num_valid)
+    return torch.where(num_items > 0, 1.0 / num_items, 0.0)  # 0 only when no label is valid: a 0 loss
+
+
+def chunked_forward(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    labels: torch.Tensor,
+    num_items: torch.Tensor | None,
+    options: ChunkedOptions,
+) -> ForwardOutputs:
+    """The chunked forward (see the module docstring), with the checks that read tensor values.
+
+    hidden [N, D], weight [V, D], bias [V] or None: one float dtype, any strides. labels [N] integer.
+    num_items: 0-d tensor for ``reduction="items"``. Runs with autocast off (the caller casts).
+    """
+    with torch.autocast(hidden.device.type, enabled=False):
+        return _chunked_forward(hidden, weight, bias, labels, num_items, options)
+
+
+def _chunked_forward(hidden, weight, bias, labels, num_items, options: ChunkedOptions) -> ForwardOutputs:
+    transform, use_triton = options.transform, options.use_triton
+    labels = labels.contiguous()  # the row kernels index labels by row
+    vocab_size = weight.shape[0]
+    check_labels(labels, vocab_size, transform.ignore_index)
+    valid = labels != transform.ignore_index
+    row_index = None
+    if options.skip_ignored or options.num_valid_tokens is not None:
+        row_index = selected_rows(valid, options.num_valid_tokens)
+    acc_dtype = stats_dtype(hidden.dtype)
+    reduce_scale = _reduce_scale(options.reduction, valid.sum(), num_items, acc_dtype)
+
+    total_rows = hidden.shape[0]
+    num_rows = total_rows if row_index is None else row_index.shape[0]
+    row_labels = labels if row_index is None else labels.index_select(0, row_index)
+    device = hidden.device
+    want_entropy, want_top1, want_mean_logit = options.want
+    needs_hidden, needs_weight, needs_bias = options.needs_grad
+    any_grad = needs_hidden or needs_weight or needs_bias
+    chunk_rows = resolve_chunk_rows(options.chunk_size, num_rows, hidden, weight, use_triton, any_grad)
+    scalar_loss = reduce_scale is not None
+    # Per-token outputs with precompute_grad: the gradient of sum(loss) / n_valid is computed now
+    # (6*N*V*D FLOPs), and the backward uses it when the upstream gradient turns out uniform.
+    precompute = options.precompute_grad and any_grad and not scalar_loss
+    grad_scale = reduce_scale
+    if precompute:
+        grad_scale = 1.0 / (row_labels != transform.ignore_index).sum().clamp(min=1).to(acc_dtype)
+    grad_in_forward = (scalar_loss and any_grad) or precompute
+
+    def stat_rows():
+        return torch.empty(num_rows, dtype=acc_dtype, device=device)
+
+    out = RowOutputs(
+        loss=stat_rows(),
+        lse=stat_rows(),
+        entropy=stat_rows() if want_entropy else None,
+        is_top1=torch.empty(num_rows, dtype=torch.int8, device=device) if want_top1 else None,
+        mean_logit=stat_rows() if want_mean_logit else None,
+    )
+    grads = (
+        _GradAccumulator(hidden, weight, bias, needs_hidden, needs_weight, needs_bias, row_index)
+        if grad_in_forward
+        else None
+    )
+    # The buffer holds logits rounded to the compute dtype; the loss reads the target logit once
+    # more in fp32 so that rounding does not reach it (fp32 and fp64 buffers need no second look).
+    target_raw = None
+    if hidden.dtype in (torch.float16, torch.bfloat16):
+        target_raw = target_logits(hidden, weight, bias, labels, use_triton, row_index)
+    buffer = torch.empty(min(chunk_rows, max(num_rows, 1)), vocab_size, dtype=hidden.dtype, device=device)
+    gathered = _gather_buffer(hidden, row_index, buffer.shape[0], grads)
+    # The one-pass gradient (rows to be scaled by row_factor) where the kernel has it (softcap)
+    # and only dh is computed (a frozen W, as under LoRA).
+    row_factor = None
+    if (
+        grads is not None
+        and grads.takes_row_factor
+        and unnormalized_grad_applies(transform, hidden.dtype, use_triton)
+        and fp32_output_gemm_available(device)
+    ):
+        row_factor = torch.empty(buffer.shape[0], dtype=torch.float32, device=device)
+    for start in range(0, num_rows, chunk_rows):
+        stop = min(start + chunk_rows, num_rows)
+        raw = buffer[: stop - start]
+        rows = slice(start, stop) if row_index is None else row_index[start:stop]
+        hidden_chunk = _chunk_rows_of(hidden, rows, start, grads, gathered)
+        _matmul_into(raw, hidden_chunk, weight, bias)
+        chunk_out = RowOutputs(*(None if t is None else t[start:stop] for t in vars(out).values()))
+        chunk_target = target_raw[start:stop] if target_raw is not None else None
+        chunk_factor = row_factor[: stop - start] if row_factor is not None else None
+        chunk_stats(
+            raw,
+            row_labels[start:stop],
+            transform,
+            chunk_out,
+            grad_scale if grad_in_forward else None,
+            use_triton,
+            chunk_target,
+            chunk_factor,
+        )
+        if grads is not None:
+            grads.add(raw, hidden_chunk, rows, chunk_factor)
+    del buffer, gathered, row_factor
+    processed = out  # the processed rows' outputs, which a recompute in backward needs
+    if row_index is not None and not scalar_loss:
+        out = _scatter_rows(out, row_index, total_rows)
+    computed = None
+    if grads is not None:
+        computed = grads.results(weight.dtype, bias.dtype if bias is not None else None)
+    return ForwardOutputs(
+        loss=out.loss.sum() * reduce_scale if scalar_loss else out.loss,
+        entropy=out.entropy,
+        is_top1=out.is_top1.bool() if want_top1 else None,
+        mean_logit=out.mean_logit,
+        lse=processed.lse,
+        processed_entropy=processed.entropy,
+        row_index=row_index,
+        row_labels=row_labels,
+        grads=computed,
+        grad_scale=grad_scale if precompute else None,
+        chunk_rows=chunk_rows,
+    )
+
+
+def chunked_backward(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    row_labels: torch.Tensor,
+    lse: torch.Tensor,
+    entropy: torch.Tensor | None,
+    row_index: torch.Tensor | None,
+    grad_loss: torch.Tensor | None,
+    grad_entropy: torch.Tensor | None,
+    needs_grad: tuple[bool, bool, bool],
+    transform: LogitTransform,
+    chunk_rows: int,
+    use_triton: bool,
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """Gradients of per-token outputs by recomputing each chunk's logits (8*N*V*D FLOPs in all).
+
+    ``row_labels``, ``lse`` and ``entropy`` are of the processed rows (``row_index``, or all);
+    ``grad_loss`` and ``grad_entropy`` (None: no gradient) are of all N rows. Returns (dh, dw, db).
+    """
+    with torch.autocast(hidden.device.type, enabled=False):
+        if row_index is not None:  # only the processed rows have gradients
+            if grad_loss is not None:
+                grad_loss = grad_loss.reshape(-1).index_select(0, row_index)
+            if grad_entropy is not None:
+                grad_entropy = grad_entropy.reshape(-1).index_select(0, row_index)
+        vocab_size = weight.shape[0]
+        grads = _GradAccumulator(hidden, weight, bias, *needs_grad, row_index)
+        acc_dtype = stats_dtype(hidden.dtype)
+        grad_loss = grad_loss.reshape(-1).to(acc_dtype).contiguous() if grad_loss is not None else None
+        grad_entropy = grad_entropy.reshape(-1).to(acc_dtype).contiguous() if grad_entropy is not None else None
+        num_rows = row_labels.shape[0]
+        if (grad_loss is not None or grad_entropy is not None) and num_rows > 0:
+            buffer = torch.empty(min(chunk_rows, num_rows), vocab_size, dtype=hidden.dtype, device=hidden.device)
+            gathered = _gather_buffer(hidden, row_index, buffer.shape[0], grads)
+            for start in range(0, num_rows, chunk_rows):
+                stop = min(start + chunk_rows, num_rows)
+                raw = buffer[: stop - start]
+                rows = slice(start, stop) if row_index is None else row_index[start:stop]
+                hidden_chunk = _chunk_rows_of(hidden, rows, start, grads, gathered)
+                _matmul_into(raw, hidden_chunk, weight, bias)
+                chunk_grad(
+                    raw,
+                    row_labels[start:stop],
+                    transform,
+                    lse[start:stop],
+                    entropy[start:stop] if grad_entropy is not None else None,
+                    grad_loss[start:stop] if grad_loss is not None else None,
+                    grad_entropy[start:stop] if grad_entropy is not None else None,
+                    use_triton,
+                )
+                grads.add(raw, hidden_chunk, rows)
+        elif grads.dh is not None:
+            grads.dh.zero_()
+        return grads.results(weight.dtype, bias.dtype if bias is not None else None)
+
+
+def _refuse_double_backward() -> None:
+    """Backward runs with grad mode on only under ``create_graph=True``: the gradients computed here
+    carry no graph of their own, so a second-order use would silently get a wrong result."""
+    if torch.is_grad_enabled():
+        raise RuntimeError(
+            "fused_linear_cross_entropy: second-order gradients (backward with create_graph=True, e.g. a "
+            "gradient penalty) are not supported: the op's gradients are computed without a graph. Use "
+            "lce_patch.ops.linear_cross_entropy.naive_linear_cross_entropy for that term."
+        )
+
+
+class LinearCrossEntropyFunction(torch.autograd.Function):
+    """Chunked fused projection + cross-entropy (eager mode); see the module docstring.
+
+    Inputs: hidden [N, D], weight [V, D], bias [V] or None (all one float dtype, any strides), labels
+    [N] integer, num_items (0-d tensor for ``reduction="items"``, else None), ``ChunkedOptions``.
+    Outputs: loss (0-d, or [N]), entropy [N] (or empty), is_top1 [N] bool (or empty), mean_logit [N]
+    (or empty); fp32, or fp64 for fp64 inputs.
     """
 
     @staticmethod
-    def forward(
-        ctx,
-        hidden: torch.Tensor,
-        weight: torch.Tensor,
-        bias: torch.Tensor | None,
-        labels: torch.Tensor,
-        reduce_scale: torch.Tensor | None,
-        transform: LogitTransform,
-        chunk_rows: int,
-        use_triton: bool,
-        needs_grad: tuple[bool, bool, bool],
-        want: tuple[bool, bool, bool],
-        row_index: torch.Tensor | None = None,
-        precompute_grad: bool = False,
-    ):
-        total_rows = hidden.shape[0]
-        num_rows = total_rows if row_index is None else row_index.shape[0]
-        row_labels = labels if row_index is None else labels.index_select(0, row_index)
-        vocab_size = weight.shape[0]
-        device = hidden.device
-        want_entropy, want_top1, want_mean_logit = want
-        needs_hidden, needs_weight, needs_bias = needs_grad
-        any_grad = needs_hidden or needs_weight or needs_bias
-        scalar_loss = reduce_scale is not None
-        # Per-token outputs with precompute_grad: the gradient of sum(loss) / n_valid is computed now
-        # (6*N*V*D FLOPs), and the backward uses it when the upstream gradient turns out uniform.
-        precompute = precompute_grad and any_grad and not scalar_loss
-        grad_scale = reduce_scale
-        if precompute:
-            grad_scale = 1.0 / (row_labels != transform.ignore_index).sum().clamp(min=1).float()
-        grad_in_forward = (scalar_loss and any_grad) or precompute
-
-        def fp32_rows():
-            return torch.empty(num_rows, dtype=torch.float32, device=device)
-
-        out = RowOutputs(
-            loss=fp32_rows(),
-            lse=fp32_rows(),
-            entropy=fp32_rows() if want_entropy else None,
-            is_top1=torch.empty(num_rows, dtype=torch.int8, device=device) if want_top1 else None,
-            mean_logit=fp32_rows() if want_mean_logit else None,
-        )
-        grads = (
-            _GradAccumulator(hidden, weight, bias, needs_hidden, needs_weight, needs_bias, row_index)
-            if grad_in_forward
-            else None
-        )
-        # The buffer holds logits rounded to the compute dtype; the loss reads the target logit once
-        # more in fp32 so that rounding does not reach it (fp32 buffers need no second look).
-        target_raw = None
-        if hidden.dtype != torch.float32:
-            target_raw = target_logits(hidden, weight, bias, labels, use_triton, row_index)
-        buffer = torch.empty(min(chunk_rows, max(num_rows, 1)), vocab_size, dtype=hidden.dtype, device=device)
-        gathered = _gather_buffer(hidden, row_index, buffer.shape[0], grads)
-        # The one-pass gradient (rows to be scaled by row_factor) where the kernel has it (softcap)
-        # and only dh is computed (a frozen W, as under LoRA).
-        row_factor = None
-        if (
-            grads is not None
-            and grads.takes_row_factor
-            and unnormalized_grad_applies(transform, hidden.dtype, use_triton)
-            and fp32_output_gemm_available(device)
-        ):
-            row_factor = torch.empty(buffer.shape[0], dtype=torch.float32, device=device)
-        for start in range(0, num_rows, chunk_rows):
-            stop = min(start + chunk_rows, num_rows)
-            raw = buffer[: stop - start]
-            rows = slice(start, stop) if row_index is None else row_index[start:stop]
-            hidden_chunk = _chunk_rows_of(hidden, rows, start, grads, gathered)
-            _matmul_into(raw, hidden_chunk, weight, bias)
-            chunk_out = RowOutputs(*(None if t is None else t[start:stop] for t in vars(out).values()))
-            chunk_target = target_raw[start:stop] if target_raw is not None else None
-            chunk_factor = row_factor[: stop - start] if row_factor is not None else None
-            chunk_stats(
-                raw,
-                row_labels[start:stop],
-                transform,
-                chunk_out,
-                grad_scale if grad_in_forward else None,
-                use_triton,
-                chunk_target,
-                chunk_factor,
-            )
-            if grads is not None:
-                grads.add(raw, hidden_chunk, rows, chunk_factor)
-        del buffer, gathered, row_factor
-        processed = out  # the processed rows' outputs, which a recompute in backward needs
-        if row_index is not None and not scalar_loss:
-            out = _scatter_rows(out, row_index, total_rows)
-
+    def forward(ctx, hidden, weight, bias, labels, num_items, options: ChunkedOptions):
+        result = chunked_forward(hidden, weight, bias, labels, num_items, options)
         # Outputs that get no gradient (entropy logged as a metric, say) arrive as None, not as
         # zeros, so the backward can skip their terms.
         ctx.set_materialize_grads(False)
-        ctx.transform = transform
-        ctx.chunk_rows = chunk_rows
-        ctx.use_triton = use_triton
-        ctx.scalar_loss = scalar_loss
-        ctx.needs_grad = needs_grad
+        ctx.transform = options.transform
+        ctx.chunk_rows = result.chunk_rows
+        ctx.use_triton = options.use_triton
+        scalar_loss = ctx.scalar_loss = options.reduction is not None
         ctx.backward_done = False
-        empty = out.loss.new_empty(0)
-        entropy = out.entropy if want_entropy else empty
-        is_top1 = out.is_top1.bool() if want_top1 else empty.bool()
-        mean_logit = out.mean_logit if want_mean_logit else empty
+        empty = result.loss.new_empty(0)
+        entropy = result.entropy if result.entropy is not None else empty
+        is_top1 = result.is_top1 if result.is_top1 is not None else empty.bool()
+        mean_logit = result.mean_logit if result.mean_logit is not None else empty
         ctx.mark_non_differentiable(is_top1, mean_logit)
-
         if scalar_loss:
-            loss = out.loss.sum() * reduce_scale
             ctx.mark_non_differentiable(entropy)
-            if grads is not None:
-                dh, dw, db = grads.results(weight.dtype, bias.dtype if bias is not None else None)
-                ctx.save_for_backward(dh, dw, db)
-            return loss, entropy, is_top1, mean_logit
-
-        if any_grad:
+            ctx.save_for_backward(*(result.grads or (None, None, None)))
+            return result.loss, entropy, is_top1, mean_logit
+        if any(options.needs_grad):
             precomputed = (None, None, None, None)
-            if precompute:
-                precomputed = (*grads.results(weight.dtype, bias.dtype if bias is not None else None), grad_scale)
-            saved_entropy = processed.entropy if want_entropy else processed.lse  # a placeholder without entropy
+            if result.grad_scale is not None:
+                precomputed = (*result.grads, result.grad_scale)
+            saved_entropy = result.processed_entropy if result.processed_entropy is not None else result.lse
             ctx.save_for_backward(
-                hidden, weight, bias, row_labels, processed.lse, saved_entropy, row_index, *precomputed
+                hidden, weight, bias, result.row_labels, result.lse, saved_entropy, result.row_index, *precomputed
             )
-            ctx.has_entropy = want_entropy
-            ctx.precomputed = precompute
-        return out.loss, entropy, is_top1, mean_logit
+            ctx.has_entropy = result.processed_entropy is not None
+            ctx.precomputed = result.grad_scale is not None
+        return result.loss, entropy, is_top1, mean_logit
 
     @staticmethod
     def backward(ctx, grad_loss, grad_entropy, _grad_top1, _grad_mean_logit):
+        _refuse_double_backward()
         if ctx.scalar_loss:
             return LinearCrossEntropyFunction._scalar_backward(ctx, grad_loss)
         return LinearCrossEntropyFunction._recompute_backward(ctx, grad_loss, grad_entropy)
@@ -475,57 +662,37 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             )
         ctx.backward_done = True
         if grad_loss is None:
-            return (None,) * 12
+            return (None,) * 6
         dh, dw, db = ctx.saved_tensors
         for grad in (dh, dw, db):
             if grad is not None:
                 scale_inplace(grad, grad_loss, ctx.use_triton)
-        return dh, dw, db, *(None,) * 9
+        return dh, dw, db, None, None, None
 
     @staticmethod
     def _recompute_backward(ctx, grad_loss, grad_entropy):
-        # labels, lse and entropy are of the processed rows (row_index, or all)
         hidden, weight, bias, labels, lse, entropy, row_index, *precomputed = ctx.saved_tensors
         if not ctx.has_entropy:
             grad_entropy = None
-        if row_index is not None:  # only the processed rows have gradients
-            if grad_loss is not None:
-                grad_loss = grad_loss.reshape(-1).index_select(0, row_index)
-            if grad_entropy is not None:
-                grad_entropy = grad_entropy.reshape(-1).index_select(0, row_index)
         if ctx.precomputed and grad_entropy is None and grad_loss is not None:
             ctx.precomputed = False  # scaled in place below: a second backward recomputes instead
-            factor = _uniform_factor(grad_loss, labels, ctx.transform.ignore_index, precomputed[3])
+            rows_grad = grad_loss.reshape(-1) if row_index is None else grad_loss.reshape(-1).index_select(0, row_index)
+            factor = _uniform_factor(rows_grad, labels, ctx.transform.ignore_index, precomputed[3])
             if factor is not None:
-                return (*(_rescaled(grad, factor, ctx.use_triton) for grad in precomputed[:3]), *(None,) * 9)
-        vocab_size = weight.shape[0]
-        needs_hidden, needs_weight, needs_bias = ctx.needs_input_grad[:3]
-        grads = _GradAccumulator(hidden, weight, bias, needs_hidden, needs_weight, needs_bias, row_index)
-        grad_loss = grad_loss.float().contiguous() if grad_loss is not None else None
-        grad_entropy = grad_entropy.float().contiguous() if grad_entropy is not None else None
-        num_rows = labels.shape[0]
-        if (grad_loss is not None or grad_entropy is not None) and num_rows > 0:
-            chunk_rows = ctx.chunk_rows
-            buffer = torch.empty(min(chunk_rows, num_rows), vocab_size, dtype=hidden.dtype, device=hidden.device)
-            gathered = _gather_buffer(hidden, row_index, buffer.shape[0], grads)
-            for start in range(0, num_rows, chunk_rows):
-                stop = min(start + chunk_rows, num_rows)
-                raw = buffer[: stop - start]
-                rows = slice(start, stop) if row_index is None else row_index[start:stop]
-                hidden_chunk = _chunk_rows_of(hidden, rows, start, grads, gathered)
-                _matmul_into(raw, hidden_chunk, weight, bias)
-                chunk_grad(
-                    raw,
-                    labels[start:stop],
-                    ctx.transform,
-                    lse[start:stop],
-                    entropy[start:stop] if grad_entropy is not None else None,
-                    grad_loss[start:stop] if grad_loss is not None else None,
-                    grad_entropy[start:stop] if grad_entropy is not None else None,
-                    ctx.use_triton,
-                )
-                grads.add(raw, hidden_chunk, rows)
-        elif grads.dh is not None:
-            grads.dh.zero_()
-        dh, dw, db = grads.results(weight.dtype, bias.dtype if bias is not None else None)
-        return dh, dw, db, *(None,) * 9
+                return (*(_rescaled(grad, factor, ctx.use_triton) for grad in precomputed[:3]), None, None, None)
+        dh, dw, db = chunked_backward(
+            hidden,
+            weight,
+            bias,
+            labels,
+            lse,
+            entropy,
+            row_index,
+            grad_loss,
+            grad_entropy,
+            tuple(ctx.needs_input_grad[:3]),
+            ctx.transform,
+            ctx.chunk_rows,
+            ctx.use_triton,
+        )
+        return dh, dw, db, None, None, None

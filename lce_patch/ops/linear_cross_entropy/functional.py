@@ -7,12 +7,14 @@ from typing import NamedTuple
 
 import torch
 
-from .chunked import LinearCrossEntropyFunction, default_chunk_rows
+from .checks import check_int, check_real, fail
+from .chunked import ChunkedOptions, LinearCrossEntropyFunction
+from .custom_op import compiled_linear_cross_entropy
 from .rows import LogitTransform, triton_usable
 
 _REDUCTIONS = ("mean", "sum", "none")
 _BACKENDS = ("auto", "triton", "torch")
-_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 class TokenOutputs(NamedTuple):
@@ -30,95 +32,76 @@ class TokenOutputs(NamedTuple):
     label_mask: torch.Tensor
 
 
-def _fail(message: str) -> None:
-    raise ValueError(f"fused_linear_cross_entropy: {message}")
-
-
-def resolve_backend(backend: str, device: torch.device) -> bool:
+def resolve_backend(backend: str, device: torch.device, dtype: torch.dtype = torch.float32) -> bool:
     """True for the Triton backend, False for torch; raises for an unusable request."""
     if backend not in _BACKENDS:
-        _fail(f"unknown backend {backend!r}; expected one of {_BACKENDS}")
+        fail(f"unknown backend {backend!r}; expected one of {_BACKENDS}")
     if backend == "torch":
         return False
+    if backend == "triton" and dtype == torch.float64:
+        fail("the triton backend supports float32, float16 and bfloat16; use backend='torch' for float64")
     usable = triton_usable(device)
     if backend == "triton" and not usable:
-        _fail(
+        fail(
             f"backend='triton' needs a CUDA tensor and the triton package (or TRITON_INTERPRET=1 on CPU); "
             f"got a tensor on {device}"
         )
-    if backend == "auto":
-        return usable and device.type == "cuda"  # the CPU interpreter only on explicit request (tests)
+    if backend == "auto":  # the CPU interpreter only on explicit request (tests); float64 on torch
+        return usable and device.type == "cuda" and dtype != torch.float64
     return True
 
 
+def _shape(value) -> tuple:
+    return tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+
+
 def _check_inputs(hidden, weight, bias, labels) -> None:
-    if not isinstance(hidden, torch.Tensor) or hidden.dim() not in (2, 3):
-        _fail(f"hidden must be a [N, D] or [B, T, D] tensor, got shape {tuple(getattr(hidden, 'shape', ()))}")
-    if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
-        _fail(f"weight must be a [V, D] tensor, got shape {tuple(getattr(weight, 'shape', ()))}")
+    for name, value in (("hidden", hidden), ("weight", weight), ("labels", labels), ("bias", bias)):
+        if not isinstance(value, torch.Tensor) and not (name == "bias" and value is None):
+            fail(f"{name} must be a torch.Tensor{' or None' if name == 'bias' else ''}, got {type(value).__name__}")
+    if hidden.dim() not in (2, 3):
+        fail(f"hidden must be a [N, D] or [B, T, D] tensor, got shape {_shape(hidden)}")
+    if weight.dim() != 2:
+        fail(f"weight must be a [V, D] tensor, got shape {_shape(weight)}")
     if weight.shape[1] != hidden.shape[-1]:
-        _fail(f"hidden's last dim ({hidden.shape[-1]}) does not match weight's D ({weight.shape[1]})")
+        fail(f"hidden's last dim ({hidden.shape[-1]}) does not match weight's D ({weight.shape[1]})")
     if weight.shape[0] == 0:
-        _fail("weight has an empty vocabulary (V = 0)")
-    if not isinstance(labels, torch.Tensor) or tuple(labels.shape) != tuple(hidden.shape[:-1]):
-        _fail(
-            f"labels must have shape {tuple(hidden.shape[:-1])} (hidden without its last dim), "
-            f"got {tuple(getattr(labels, 'shape', ()))}"
-        )
+        fail("weight has an empty vocabulary (V = 0)")
+    if tuple(labels.shape) != tuple(hidden.shape[:-1]):
+        fail(f"labels must have shape {tuple(hidden.shape[:-1])} (hidden without its last dim), got {_shape(labels)}")
     if labels.dtype.is_floating_point or labels.dtype.is_complex or labels.dtype == torch.bool:
-        _fail(f"labels must be an integer tensor, got {labels.dtype}")
+        fail(f"labels must be an integer tensor, got {labels.dtype}")
     if bias is not None and tuple(bias.shape) != (weight.shape[0],):
-        _fail(f"bias must have shape ({weight.shape[0]},), got {tuple(bias.shape)}")
+        fail(f"bias must have shape ({weight.shape[0]},), got {_shape(bias)}")
     tensors = {"hidden": hidden, "weight": weight, "labels": labels}
     if bias is not None:
         tensors["bias"] = bias
     devices = {name: t.device for name, t in tensors.items()}
     if len(set(devices.values())) > 1:
-        _fail(f"all inputs must be on one device, got {devices}")
+        fail(f"all inputs must be on one device, got {devices}")
     for name in ("hidden", "weight", "bias"):
-        if name in tensors and tensors[name].dtype not in _FLOAT_DTYPES + (torch.float64,):
-            _fail(f"{name} has unsupported dtype {tensors[name].dtype}; expected float32, float16 or bfloat16")
-
-
-def _check_labels(labels: torch.Tensor, vocab_size: int, ignore_index: int) -> None:
-    """Labels must be ignore_index or in [0, V). On CUDA an asynchronous device assert, no sync."""
-    bad = (labels != ignore_index) & ((labels < 0) | (labels >= vocab_size))
-    if labels.device.type == "cpu":
-        if bad.any():
-            first = labels[bad][0].item()
-            _fail(f"label {first} is outside [0, {vocab_size}) and is not ignore_index ({ignore_index})")
-    else:
-        torch._assert_async(
-            ~bad.any(),
-            f"fused_linear_cross_entropy: a label is outside [0, {vocab_size}) and is not ignore_index ({ignore_index})",
-        )
-
-
-def _selected_rows(valid: torch.Tensor, num_valid_tokens: int | None) -> torch.Tensor | None:
-    """Indices (int64, ascending) of the rows whose label is not ignored (``valid``: bool [N]), or None
-    when every row counts.
-
-    The GEMMs are sized on the host, so the count must be known there: ``num_valid_tokens`` when the
-    caller has it (checked on the device, no sync), else one host sync here.
-    """
-    if num_valid_tokens is None:
-        num_valid = int(valid.sum())  # the one host sync of skip_ignored=True
-    else:
-        num_valid = num_valid_tokens
-        if valid.device.type == "cpu":
-            counted = int(valid.sum())
-            if counted != num_valid:
-                _fail(f"num_valid_tokens={num_valid} but {counted} labels are not ignore_index")
-        else:
-            torch._assert_async(
-                valid.sum() == num_valid,
-                "fused_linear_cross_entropy: num_valid_tokens differs from the number of labels that are not "
-                "ignore_index",
+        if name in tensors and tensors[name].dtype not in _FLOAT_DTYPES:
+            fail(
+                f"{name} has unsupported dtype {tensors[name].dtype}; expected float32, float16, bfloat16 "
+                "or float64 (torch backend)"
             )
-    if num_valid == valid.shape[0]:
-        return None
-    # A stable sort puts the valid rows first, in order; no nonzero() (it would sync).
-    return torch.argsort((~valid).to(torch.uint8), stable=True)[:num_valid]
+
+
+def _num_items_tensor(num_items_in_batch, device: torch.device) -> torch.Tensor:
+    """``num_items_in_batch`` as a 0-d tensor on ``device`` (its value is checked inside the op)."""
+    if isinstance(num_items_in_batch, torch.Tensor):
+        if num_items_in_batch.numel() != 1:
+            fail(f"num_items_in_batch must be a number or a one-element tensor, got shape {_shape(num_items_in_batch)}")
+        if num_items_in_batch.dtype == torch.bool or num_items_in_batch.dtype.is_complex:
+            fail(f"num_items_in_batch must be a real number, got a {num_items_in_batch.dtype} tensor")
+        return num_items_in_batch.to(device).reshape(())
+    check_real("num_items_in_batch", num_items_in_batch, minimum=0)
+    return torch.tensor(float(num_items_in_batch), dtype=torch.float64, device=device)
+
+
+def _check_flag(name: str, value) -> None:
+    if not isinstance(value, bool):
+        fail(f"{name} must be a bool, got {value!r}")
 
 
 def start_valid_token_count(labels: torch.Tensor, ignore_index: int = -100, shift: bool = False) -> Callable[[], int]:
@@ -160,7 +143,7 @@ def _compute_dtype(hidden, weight, bias) -> tuple[torch.Tensor, torch.Tensor, to
         dtype = torch.get_autocast_dtype(device_type)
         return hidden.to(dtype), weight.to(dtype), bias.to(dtype) if bias is not None else None
     if weight.dtype != hidden.dtype or (bias is not None and bias.dtype != hidden.dtype):
-        _fail(
+        fail(
             f"hidden ({hidden.dtype}), weight ({weight.dtype})"
             + (f" and bias ({bias.dtype})" if bias is not None else "")
             + " must share one dtype (or run under torch.autocast)"
@@ -179,7 +162,7 @@ def _run(
     logit_scale,
     temperature,
     shift,
-    reduce_scale_kind,
+    reduction,
     num_items_in_batch,
     label_smoothing,
     z_loss,
@@ -190,53 +173,32 @@ def _run(
     num_valid_tokens=None,
     precompute_grad=False,
 ):
+    """Checks, casts, shifts and flattens the inputs, then runs the chunked op: the autograd Function
+    in eager mode, the custom operator under ``torch.compile`` (see custom_op.py).
+    ``reduction``: "mean", "sum", "items" or None (per-token outputs)."""
     _check_inputs(hidden, weight, bias, labels)
-    if softcap is not None and not softcap > 0:
-        _fail(f"softcap must be None or > 0, got {softcap}")
-    if not 0.0 <= label_smoothing <= 1.0:
-        _fail(f"label_smoothing must be in [0, 1], got {label_smoothing}")
-    if z_loss < 0:
-        _fail(f"z_loss must be >= 0, got {z_loss}")
-    if not temperature > 0:
-        _fail(f"temperature must be > 0, got {temperature}")
-    if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
-        _fail(f"chunk_size must be a positive int (tokens per chunk), got {chunk_size!r}")
-    if num_valid_tokens is not None and (
-        isinstance(num_valid_tokens, bool) or not isinstance(num_valid_tokens, int) or num_valid_tokens < 0
-    ):
-        _fail(f"num_valid_tokens must be a non-negative Python int, got {num_valid_tokens!r}")
-    use_triton = resolve_backend(backend, hidden.device)
-    if use_triton and hidden.dtype == torch.float64:
-        _fail("the triton backend supports float32, float16 and bfloat16; use backend='torch' for float64")
+    check_int("ignore_index", ignore_index)
+    check_real("softcap", softcap, positive=True, allow_none=True)
+    check_real("logit_scale", logit_scale)
+    check_real("temperature", temperature, positive=True)
+    check_real("label_smoothing", label_smoothing, minimum=0.0, maximum=1.0)
+    check_real("z_loss", z_loss, minimum=0.0)
+    check_int("chunk_size", chunk_size, minimum=1, allow_none=True)
+    check_int("num_valid_tokens", num_valid_tokens, minimum=0, allow_none=True)
+    for name, flag in (("shift", shift), ("skip_ignored", skip_ignored), ("precompute_grad", precompute_grad)):
+        _check_flag(name, flag)
 
     hidden, weight, bias = _compute_dtype(hidden, weight, bias)
+    use_triton = resolve_backend(backend, hidden.device, hidden.dtype)
     out_shape = labels.shape
     labels = labels.long()
     if shift:
         labels = _shift_labels(labels, ignore_index)
     labels = labels.reshape(-1)
     hidden_2d = hidden.reshape(-1, hidden.shape[-1])
-    vocab_size = weight.shape[0]
-    _check_labels(labels, vocab_size, ignore_index)
     if num_valid_tokens is not None and num_valid_tokens > labels.shape[0]:
-        _fail(f"num_valid_tokens={num_valid_tokens} exceeds the number of tokens ({labels.shape[0]})")
-    valid = labels != ignore_index
-    row_index = None
-    if skip_ignored or num_valid_tokens is not None:
-        row_index = _selected_rows(valid, num_valid_tokens)
-
-    reduce_scale = None
-    if reduce_scale_kind == "mean":
-        reduce_scale = 1.0 / valid.sum().clamp(min=1).float()
-    elif reduce_scale_kind == "sum":
-        reduce_scale = torch.ones((), dtype=torch.float32, device=hidden.device)
-    elif reduce_scale_kind == "items":
-        if isinstance(num_items_in_batch, torch.Tensor):
-            reduce_scale = 1.0 / num_items_in_batch.to(device=hidden.device, dtype=torch.float32).reshape(())
-        else:
-            if not num_items_in_batch > 0:
-                _fail(f"num_items_in_batch must be > 0, got {num_items_in_batch}")
-            reduce_scale = torch.full((), 1.0 / float(num_items_in_batch), dtype=torch.float32, device=hidden.device)
+        fail(f"num_valid_tokens={num_valid_tokens} exceeds the number of tokens ({labels.shape[0]})")
+    num_items = _num_items_tensor(num_items_in_batch, hidden.device) if reduction == "items" else None
 
     grad_on = torch.is_grad_enabled()
     needs_grad = (
@@ -244,47 +206,49 @@ def _run(
         grad_on and weight.requires_grad,
         grad_on and bias is not None and bias.requires_grad,
     )
-    processed_rows = hidden_2d.shape[0] if row_index is None else row_index.shape[0]
-    rows = chunk_size
-    if rows is None:
-        num_sms = torch.cuda.get_device_properties(hidden.device).multi_processor_count if hidden.is_cuda else None
-        # Evaluation of a trainable W: the buffer may take the bytes its dW would have taken.
-        spare = weight.numel() * weight.element_size() if weight.requires_grad and not any(needs_grad) else 0
-        rows = default_chunk_rows(
-            processed_rows,
-            vocab_size,
-            hidden.dtype,
-            use_triton,
-            hidden_size=hidden.shape[-1],
-            num_sms=num_sms,
-            spare_bytes=spare,
-        )
-    transform = LogitTransform(
-        ignore_index=ignore_index,
+    settings = dict(
+        ignore_index=int(ignore_index),
         softcap=None if softcap is None else float(softcap),
         logit_scale=float(logit_scale),
         temperature=float(temperature),
         label_smoothing=float(label_smoothing),
         z_loss=float(z_loss),
     )
-    with torch.autocast(hidden.device.type, enabled=False):
-        loss, entropy, is_top1, _mean_logit = LinearCrossEntropyFunction.apply(
+    if torch.compiler.is_compiling():
+        loss, entropy, is_top1 = compiled_linear_cross_entropy(
             hidden_2d,
             weight,
             bias,
             labels,
-            reduce_scale,
-            transform,
-            rows,
-            use_triton,
-            needs_grad,
-            want,
-            row_index,
-            precompute_grad,
+            num_items,
+            **settings,
+            reduction=reduction,
+            use_triton=use_triton,
+            needs_grad=needs_grad,
+            want=want,
+            chunk_size=chunk_size,
+            skip_ignored=skip_ignored,
+            num_valid_tokens=num_valid_tokens,
+            precompute_grad=precompute_grad,
         )
-    if reduce_scale is None:
+    else:
+        options = ChunkedOptions(
+            transform=LogitTransform(**settings),
+            reduction=reduction,
+            use_triton=use_triton,
+            needs_grad=needs_grad,
+            want=(*want[:2], False),
+            chunk_size=chunk_size,
+            skip_ignored=skip_ignored,
+            num_valid_tokens=num_valid_tokens,
+            precompute_grad=precompute_grad,
+        )
+        loss, entropy, is_top1, _ = LinearCrossEntropyFunction.apply(
+            hidden_2d, weight, bias, labels, num_items, options
+        )
+    if reduction is None:
         loss = loss.view(out_shape)
-    return loss, entropy, is_top1, valid.view(out_shape)
+    return loss, entropy, is_top1, (labels != ignore_index).view(out_shape)
 
 
 def fused_linear_cross_entropy(
@@ -344,10 +308,10 @@ def fused_linear_cross_entropy(
     """
     del deterministic  # every path is deterministic; kept in the signature as a documented promise
     if reduction not in _REDUCTIONS:
-        _fail(f"unknown reduction {reduction!r}; expected one of {_REDUCTIONS}")
+        fail(f"unknown reduction {reduction!r}; expected one of {_REDUCTIONS}")
     if num_items_in_batch is not None:
         if reduction == "none":
-            _fail("num_items_in_batch cannot be combined with reduction='none'")
+            fail("num_items_in_batch cannot be combined with reduction='none'")
         kind = "items"
     else:
         kind = {"mean": "mean", "sum": "sum", "none": None}[reduction]
@@ -361,7 +325,7 @@ def fused_linear_cross_entropy(
         logit_scale=logit_scale,
         temperature=1.0,
         shift=shift,
-        reduce_scale_kind=kind,
+        reduction=kind,
         num_items_in_batch=num_items_in_batch,
         label_smoothing=label_smoothing,
         z_loss=z_loss,
@@ -420,7 +384,7 @@ def fused_linear_log_probs(
         logit_scale=logit_scale,
         temperature=temperature,
         shift=shift,
-        reduce_scale_kind=None,
+        reduction=None,
         num_items_in_batch=None,
         label_smoothing=0.0,
         z_loss=0.0,
@@ -463,9 +427,9 @@ class FusedLinearCrossEntropy(torch.nn.Module):
     ) -> None:
         super().__init__()
         if reduction not in _REDUCTIONS:
-            _fail(f"unknown reduction {reduction!r}; expected one of {_REDUCTIONS}")
+            fail(f"unknown reduction {reduction!r}; expected one of {_REDUCTIONS}")
         if backend not in _BACKENDS:
-            _fail(f"unknown backend {backend!r}; expected one of {_BACKENDS}")
+            fail(f"unknown backend {backend!r}; expected one of {_BACKENDS}")
         self.options = dict(
             ignore_index=ignore_index,
             softcap=softcap,

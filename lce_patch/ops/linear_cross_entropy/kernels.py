@@ -427,10 +427,14 @@ def _grad_kernel(
 def _target_logit_kernel(
     hidden_ptr,
     hidden_row_stride,
+    hidden_col_stride,
     weight_ptr,
     weight_row_stride,
+    weight_col_stride,
     bias_ptr,
+    bias_stride,
     labels_ptr,
+    labels_stride,
     row_index_ptr,
     out_ptr,
     hidden_size,
@@ -445,24 +449,28 @@ def _target_logit_kernel(
     on a logit of 30); the target logit is the one the loss reads directly, so computing it once
     more in fp32 (2*N*D FLOPs, one weight row per token) removes most of the loss's rounding error.
     With ``GATHER_ROWS`` program ``i`` computes row ``row_index[i]`` (the rows the op processes).
+    Every input is read through its strides (Triton specializes a stride of 1, so the contiguous
+    case pays nothing for it): a transposed or sliced hidden or weight, a strided bias or labels.
     """
     program = tl.program_id(0).to(tl.int64)
     row = program
     if GATHER_ROWS:
         row = tl.load(row_index_ptr + program).to(tl.int64)
-    label = tl.load(labels_ptr + row)
+    label = tl.load(labels_ptr + row * labels_stride)
     in_range = (label >= 0) & (label < vocab_size)
     safe_label = tl.where(in_range, label, 0).to(tl.int64)
     acc = tl.zeros([BLOCK_D], tl.float32)
     for start in range(0, hidden_size, BLOCK_D):
         offsets = start + tl.arange(0, BLOCK_D)
         mask = offsets < hidden_size
-        h = tl.load(hidden_ptr + row * hidden_row_stride + offsets, mask=mask, other=0.0).to(tl.float32)
-        w = tl.load(weight_ptr + safe_label * weight_row_stride + offsets, mask=mask, other=0.0).to(tl.float32)
+        h_ptrs = hidden_ptr + row * hidden_row_stride + offsets * hidden_col_stride
+        w_ptrs = weight_ptr + safe_label * weight_row_stride + offsets * weight_col_stride
+        h = tl.load(h_ptrs, mask=mask, other=0.0).to(tl.float32)
+        w = tl.load(w_ptrs, mask=mask, other=0.0).to(tl.float32)
         acc += h * w
     value = tl.sum(acc, 0)
     if HAS_BIAS:
-        value += tl.load(bias_ptr + safe_label).to(tl.float32)
+        value += tl.load(bias_ptr + safe_label * bias_stride).to(tl.float32)
     tl.store(out_ptr + program, tl.where(in_range, value, 0.0))
 
 

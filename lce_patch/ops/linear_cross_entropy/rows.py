@@ -81,8 +81,13 @@ def triton_usable(device: torch.device) -> bool:
 # --------------------------------------------------------------------------- torch versions
 
 
+def stats_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of per-row statistics and accumulations: float64 for float64 inputs, else float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
 def _final_logits(raw: torch.Tensor, transform: LogitTransform) -> tuple[torch.Tensor, torch.Tensor | None]:
-    u = raw.float() * transform.logit_scale
+    u = raw.to(stats_dtype(raw.dtype)) * transform.logit_scale
     tanh = None
     if transform.softcap is not None:
         tanh = torch.tanh(u / transform.softcap)
@@ -151,7 +156,7 @@ def _torch_chunk_grad(raw, labels, transform, lse, entropy, grad_loss, grad_entr
     p = torch.exp(z - lse.unsqueeze(1))
     grad = torch.zeros_like(z)
     if grad_loss is not None:
-        row_grad = grad_loss.float().unsqueeze(1)
+        row_grad = grad_loss.to(z.dtype).unsqueeze(1)
         p_scale = 1.0 + 2.0 * transform.z_loss * lse.unsqueeze(1) if transform.z_loss else 1.0
         grad += p * p_scale * row_grad
         safe_labels = torch.where(valid, labels, 0).unsqueeze(1)
@@ -159,7 +164,7 @@ def _torch_chunk_grad(raw, labels, transform, lse, entropy, grad_loss, grad_entr
         if transform.label_smoothing:
             grad -= (transform.label_smoothing / z.shape[1]) * row_grad
     if grad_entropy is not None:
-        grad -= p * (z - lse.unsqueeze(1) + entropy.unsqueeze(1)) * grad_entropy.float().unsqueeze(1)
+        grad -= p * (z - lse.unsqueeze(1) + entropy.unsqueeze(1)) * grad_entropy.to(z.dtype).unsqueeze(1)
     grad.mul_(valid.unsqueeze(1))
     raw.copy_(_raw_grad_factor(transform, tanh, grad))
 
@@ -339,10 +344,14 @@ def target_logits(
         _kernels._target_logit_kernel[(num_rows,)](
             hidden,
             hidden.stride(0),
+            hidden.stride(1),
             weight,
             weight.stride(0),
+            weight.stride(1),
             bias if bias is not None else out,
+            bias.stride(0) if bias is not None else 0,
             labels,
+            labels.stride(0),
             row_index if row_index is not None else labels,
             out,
             hidden_size,
