@@ -202,3 +202,33 @@ def test_torch_compile_training_equals_an_unpatched_eager_run(tmp_path, monkeypa
     assert any(not torch.equal(final[name], initial[name]) for name in final)
     for name, param in final.items():
         assert_close(param, ref_final[name], rel=1e-6, what=name)
+
+
+@pytest.mark.parametrize("liger_first", [True, False])
+def test_composes_with_liger_non_loss_kernels(liger_first):
+    """Liger's RMSNorm/RoPE/SwiGLU kernels with its fused loss off leave the forward to lce_patch, in
+    either order, and reverting lce_patch leaves Liger's modules. (Liger's kernels do not run under the
+    CPU interpreter; the numbers of this combination come from the H100 runs of e2e_train.py.)"""
+    liger = pytest.importorskip("liger_kernel.transformers")
+    model = tiny_model("llama")
+    original_forward = type(model).forward
+
+    def apply_liger():
+        liger.apply_liger_kernel_to_llama(
+            model=model, fused_linear_cross_entropy=False, cross_entropy=False, rope=True, rms_norm=True, swiglu=True
+        )
+
+    if liger_first:
+        apply_liger()
+    lce_patch.apply_fused_lce(model)
+    if not liger_first:
+        apply_liger()
+    assert is_patched(model)
+
+    def liger_norm() -> bool:  # Liger swaps the instance's forward (and sometimes its class)
+        return "Liger" in type(model.model.norm).__name__ + model.model.norm.forward.__qualname__
+
+    assert liger_norm()
+    assert type(model).forward is original_forward  # Liger did not replace the class's forward
+    lce_patch.revert_fused_lce(model)
+    assert not is_patched(model) and liger_norm()
