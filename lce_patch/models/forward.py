@@ -53,7 +53,9 @@ class LCEOptions:
             raise ValueError(f"lce_patch: label_smoothing must be in [0, 1], got {self.label_smoothing}")
         if self.z_loss < 0:
             raise ValueError(f"lce_patch: z_loss must be >= 0, got {self.z_loss}")
-        if self.chunk_size is not None and (not isinstance(self.chunk_size, int) or self.chunk_size < 1):
+        if self.chunk_size is not None and (
+            isinstance(self.chunk_size, bool) or not isinstance(self.chunk_size, int) or self.chunk_size < 1
+        ):
             raise ValueError(f"lce_patch: chunk_size must be a positive int, got {self.chunk_size!r}")
 
     @classmethod

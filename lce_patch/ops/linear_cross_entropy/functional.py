@@ -51,7 +51,7 @@ def resolve_backend(backend: str, device: torch.device, dtype: torch.dtype = tor
     return True
 
 
-def _shape(value) -> tuple:
+def _shape(value) -> tuple | str:
     return tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
 
 
@@ -96,7 +96,8 @@ def _num_items_tensor(num_items_in_batch, device: torch.device) -> torch.Tensor:
             fail(f"num_items_in_batch must be a real number, got a {num_items_in_batch.dtype} tensor")
         return num_items_in_batch.to(device).reshape(())
     check_real("num_items_in_batch", num_items_in_batch, minimum=0)
-    return torch.tensor(float(num_items_in_batch), dtype=torch.float64, device=device)
+    # a fill kernel, not a copy from host memory (which would sync with the GPU)
+    return torch.full((), float(num_items_in_batch), dtype=torch.float64, device=device)
 
 
 def _check_flag(name: str, value) -> None:
