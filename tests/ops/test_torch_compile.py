@@ -141,3 +141,20 @@ def test_compiled_bad_labels_still_raise():
 
     with pytest.raises(ValueError, match="outside"):
         step(*_leaves(hidden, weight))
+
+
+def test_compiled_float64_keeps_float64():
+    hidden, weight, labels, _ = make_inputs()
+
+    def step(h, w):
+        return fused_linear_cross_entropy(h, w, labels, reduction="sum", chunk_size=8)
+
+    runs = []
+    for fn in (step, torch.compile(step, fullgraph=True)):
+        h, w = _leaves(hidden, weight, dtype=torch.float64)
+        loss = fn(h, w)
+        loss.backward(torch.tensor(1.0 / 3.0, dtype=torch.float64))
+        runs.append((loss, h.grad, w.grad))
+    for eager, compiled in zip(*runs):
+        assert compiled.dtype == torch.float64
+        torch.testing.assert_close(compiled, eager, rtol=1e-13, atol=1e-15)

@@ -145,9 +145,12 @@ def _backward(ctx, grad_loss, grad_entropy, *_unused):
     if ctx.scalar:
         grads = []
         for grad in ctx.saved_tensors:
-            # in fp32, rounded once (the eager path scales in place in fp32 too); fused into one kernel
-            product = None if grad_loss is None or grad.numel() == 0 else (grad.float() * grad_loss).to(grad.dtype)
-            grads.append(product)
+            if grad_loss is None or grad.numel() == 0:
+                grads.append(None)
+                continue
+            # in fp32 (fp64 for fp64), rounded once as the eager path's in-place scaling; one fused kernel
+            compute = torch.promote_types(grad.dtype, torch.float32)
+            grads.append((grad.to(compute) * grad_loss.to(compute)).to(grad.dtype))
         dh, dw, db = grads
         return dh, dw, db, None, *none_for_options
     hidden, weight, bias, labels, lse, entropy, *precomputed = ctx.saved_tensors
