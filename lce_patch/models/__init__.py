@@ -1,23 +1,23 @@
 """Patching Hugging Face causal LMs so that training computes the loss without materializing the logits.
 
-``apply_fused_lce(model)`` replaces the model's ``forward`` (per instance, or per class for a
-``model_type`` string) with one shared forward driven by a small declarative registry
-(``registry.py``); ``revert_fused_lce`` undoes it.
+``apply_fused_lce(model)`` wraps the model's own ``forward`` (per instance, or per class for a
+``model_type`` string) so that, in training, its LM head computes the fused loss and its
+``loss_function`` returns it (``forward.py``, ``head.py``); the registry (``registry.py``) derives each
+architecture's logit transform; ``revert_fused_lce`` undoes it.
 """
 
-from .forward import LCEOptions, fused_causal_lm_loss
+from .forward import LCEOptions
 from .head import head_call, resolve_head_module, unwrap_causal_lm
 from .patch import apply_fused_lce, get_head_config, is_patched, revert_fused_lce
-from .registry import REGISTRY, ArchSpec, HeadConfig, MoeSpec, supported_architectures
+from .registry import REGISTRY, UNSUPPORTED, ArchSpec, HeadConfig, supported_architectures
 
 __all__ = [
     "REGISTRY",
     "ArchSpec",
     "HeadConfig",
     "LCEOptions",
-    "MoeSpec",
+    "UNSUPPORTED",
     "apply_fused_lce",
-    "fused_causal_lm_loss",
     "get_head_config",
     "head_call",
     "is_patched",

@@ -1,26 +1,35 @@
-"""The one forward shared by every registered architecture.
+"""The one forward shared by every architecture: the model's own, with the head and loss intercepted.
 
-``make_forward(original, spec)`` returns a replacement for a CausalLM's ``forward`` that keeps the
-original's signature (``generate()`` and PEFT inspect it). When the call carries labels (or
-``shift_labels``) and the logits are not wanted, it runs the decoder, then the fused linear
-cross-entropy through the LM head module; every other call goes to the original forward unchanged.
+``make_forward(original)`` returns a replacement for a CausalLM's ``forward`` that keeps the
+original's signature (``generate()`` and PEFT inspect it). A call that carries labels (or
+``shift_labels``) and does not want the logits arms a :class:`LossJob` on the model's job slot and
+runs the original forward unchanged: the decoder, the vision tower, the MoE router and its
+auxiliary loss all stay the model's. Only two things differ while the job is armed:
+
+- the LM head module (``head.py``'s interceptor) computes the fused linear cross-entropy from the
+  hidden states it is called with, inside its own call, and returns a zero-width stand-in for the
+  logits ``[..., 0]`` that carries the loss's autograd graph through the model's logit transforms;
+- the model's ``loss_function`` returns that loss (plus the empty sum of a zero-width slice of its
+  logits argument, which ties the head's output, and so the backward hooks FSDP and ZeRO-3 put on
+  it, into the loss's graph).
+
+Evaluation that wants the logits (``return_logits_in_eval``) gets the head's real output as the
+logits and the fused loss. Every other call (no labels, ``logits_to_keep``) is the original forward.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import importlib
 import inspect
-import typing
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from ..ops.linear_cross_entropy.functional import fused_linear_cross_entropy, start_valid_token_count
-from .head import head_call
-from .registry import ArchSpec
+from .head import SLOT_ATTR, JobSlot, install_interceptor, resolve_head_module
+from .registry import HeadConfig
 
 # Marks a patched forward; holds the forward it replaced.
 ORIGINAL_ATTR = "__lce_patch_original__"
@@ -28,6 +37,7 @@ ORIGINAL_ATTR = "__lce_patch_original__"
 OPTIONS_ATTR = "_lce_patch_options"
 SPEC_ATTR = "_lce_patch_spec"
 PREVIOUS_FORWARD_ATTR = "_lce_patch_previous_forward"
+PREVIOUS_LOSS_ATTR = "_lce_patch_previous_loss_function"
 
 _BACKENDS = ("auto", "triton", "torch")
 
@@ -72,21 +82,6 @@ def unpatched(forward: Any) -> Any:
     return getattr(forward, ORIGINAL_ATTR, forward)
 
 
-def _output_class(original: Any, spec: ArchSpec) -> type:
-    """The ModelOutput class the original forward returns (from its return annotation)."""
-    from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOutputWithPast
-    from transformers.utils import ModelOutput
-
-    try:
-        annotation = typing.get_type_hints(original).get("return")
-    except Exception:  # unresolvable annotation strings: fall back below
-        annotation = inspect.signature(original).return_annotation
-    for candidate in (annotation, *typing.get_args(annotation)):
-        if isinstance(candidate, type) and issubclass(candidate, ModelOutput):
-            return candidate
-    return MoeCausalLMOutputWithPast if spec.moe else CausalLMOutputWithPast
-
-
 def _is_dtensor(tensor: torch.Tensor) -> bool:
     try:
         from torch.distributed.tensor import DTensor
@@ -95,29 +90,52 @@ def _is_dtensor(tensor: torch.Tensor) -> bool:
     return isinstance(tensor, DTensor)
 
 
-def fused_causal_lm_loss(
-    model: torch.nn.Module,
-    spec: ArchSpec,
-    hidden: torch.Tensor,
-    labels: torch.Tensor | None,
-    shift_labels: torch.Tensor | None,
-    loss_kwargs: dict[str, Any],
-    options: LCEOptions,
-    num_valid_tokens: int | None = None,
-) -> torch.Tensor:
-    """Hugging Face's ``ForCausalLMLoss`` contract, computed from the hidden states through the head module.
+def _default_loss_function(model: torch.nn.Module) -> Any:
+    """What ``model.loss_function`` is without an instance override (Hugging Face's property, minus the warning)."""
+    from transformers.loss.loss_utils import LOSS_MAPPING
 
-    ``shift_labels`` is used as given, else ``labels`` are shifted; ``num_items_in_batch`` gives
-    sum / num_items, else the mean over non-ignored tokens (0, still differentiable, when none is valid).
-    ``num_valid_tokens``: the count of targets that are not ignored, when known (the op then skips
-    the ignored ones without a host sync).
-    """
-    ignore_index = loss_kwargs.get("ignore_index", options.ignore_index)
-    num_items_in_batch = loss_kwargs.get("num_items_in_batch")
-    targets, shift = (shift_labels, False) if shift_labels is not None else (labels, True)
-    head_config = spec.head_config(model.config)
+    return LOSS_MAPPING.get(getattr(model, "loss_type", None)) or LOSS_MAPPING["ForCausalLM"]
 
-    def loss_fn(weight: torch.Tensor, bias: torch.Tensor | None, hidden_states: torch.Tensor) -> torch.Tensor:
+
+class LossJob:
+    """One fused forward: what the head computes when called, and what ``loss_function`` returns."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        head_config: HeadConfig,
+        options: LCEOptions,
+        call: dict[str, Any],
+        want_logits: bool = False,
+    ) -> None:
+        self.model_name = type(model).__name__
+        self.head_config = head_config
+        self.options = options
+        self.want_logits = want_logits
+        self.labels = call.get("labels")
+        self.shift_labels = call.get("shift_labels")
+        self.ignore_index = call.get("ignore_index", options.ignore_index)
+        self.num_items_in_batch = call.get("num_items_in_batch")
+        self.loss: torch.Tensor | None = None
+        self.returned = False
+        self.read_valid_count = None
+        if options.skip_ignored and not torch.compiler.is_compiling():
+            # Counted before the decoder is queued, read in the head's call: the loss then skips
+            # ignored tokens without waiting for the forward to finish (see start_valid_token_count).
+            # Under torch.compile reading the count would break the graph: the op counts inside.
+            targets, shift = self._targets()
+            self.read_valid_count = start_valid_token_count(targets, self.ignore_index, shift=shift)
+
+    def _targets(self) -> tuple[torch.Tensor, bool]:
+        return (self.shift_labels, False) if self.shift_labels is not None else (self.labels, True)
+
+    def run_head(self, weight: torch.Tensor, bias: torch.Tensor | None, hidden: torch.Tensor) -> torch.Tensor:
+        """The head's output while armed: the fused loss, behind a zero-width stand-in for the logits."""
+        if self.loss is not None:
+            raise RuntimeError(
+                f"lce_patch: {self.model_name}'s LM head was called twice in one forward; the fused loss supports "
+                "a forward that projects the hidden states once (revert_fused_lce(model) to train this model)"
+            )
         if _is_dtensor(weight):
             # Inside the head's call FSDP has unsharded its weight; a DTensor here is a vocab-sharded
             # (tensor-parallel) head, which needs a vocab-parallel cross-entropy.
@@ -126,131 +144,142 @@ def fused_causal_lm_loss(
                 f"placements {getattr(weight, 'placements', '?')}); the fused loss does not support a vocab-sharded "
                 "head yet. Train without tensor parallelism on lm_head, or revert_fused_lce(model)."
             )
-        return fused_linear_cross_entropy(
-            hidden_states,
+        targets, shift = self._targets()
+        num_valid_tokens = self.read_valid_count() if self.read_valid_count is not None else None
+        self.loss = fused_linear_cross_entropy(
+            hidden,
             weight,
-            targets.to(hidden_states.device),
+            targets.to(hidden.device),
             bias=bias,
-            ignore_index=ignore_index,
-            softcap=head_config.softcap,
-            logit_scale=head_config.logit_scale,
+            ignore_index=self.ignore_index,
+            softcap=self.head_config.softcap,
+            logit_scale=self.head_config.logit_scale,
             shift=shift,
-            num_items_in_batch=num_items_in_batch,
-            label_smoothing=options.label_smoothing,
-            z_loss=options.z_loss,
-            backend=options.backend,
-            chunk_size=options.chunk_size,
-            deterministic=options.deterministic,
-            skip_ignored=options.skip_ignored and num_valid_tokens is None,
+            num_items_in_batch=self.num_items_in_batch,
+            label_smoothing=self.options.label_smoothing,
+            z_loss=self.options.z_loss,
+            backend=self.options.backend,
+            chunk_size=self.options.chunk_size,
+            deterministic=self.options.deterministic,
+            skip_ignored=self.options.skip_ignored and num_valid_tokens is None,
             num_valid_tokens=num_valid_tokens,
         )
+        if self.want_logits:  # evaluation that keeps the logits: the head's real output, the loss still fused
+            return torch.nn.functional.linear(hidden, weight, bias)
+        return self.loss.expand(*hidden.shape[:-1], 0)
 
-    return head_call(getattr(model, spec.head), loss_fn, hidden)
+    def loss_function(self, logits: torch.Tensor, labels: torch.Tensor | None = None, *args: Any, **kwargs: Any):
+        """Stands in for the model's ``loss_function``: the fused loss, tied to the head's output."""
+        if self.loss is None or self.returned:
+            raise RuntimeError(
+                f"lce_patch: {self.model_name}'s forward computed a loss "
+                + ("twice" if self.returned else "without calling its LM head first")
+                + "; the fused loss cannot reproduce it (revert_fused_lce(model) to train this model)"
+            )
+        expected = self.shift_labels if self.shift_labels is not None else self.labels
+        given = kwargs.get("shift_labels") if self.shift_labels is not None else labels
+        moved = isinstance(given, torch.Tensor) and given.shape == expected.shape and given.device != expected.device
+        if given is not expected and not moved:
+            raise RuntimeError(
+                f"lce_patch: {self.model_name}'s forward passed its loss_function other labels than the ones it was "
+                "called with; the fused loss, computed in the LM head's call, cannot know them "
+                "(revert_fused_lce(model) to train this model)"
+            )
+        self.returned = True
+        return self.loss + logits.narrow(-1, 0, 0).sum().to(self.loss.dtype)
 
 
-def _moe_aux_loss(model, spec: ArchSpec, router_logits, attention_mask) -> torch.Tensor:
-    module = importlib.import_module(spec.module_name)
-    loss_func = getattr(module, spec.moe.loss_func, None)
-    if loss_func is None:
-        raise RuntimeError(
-            f"lce_patch: {spec.module_name} has no {spec.moe.loss_func}; this transformers version is not supported "
-            f"for {spec.model_type} (revert_fused_lce(model) to train without the fused loss)"
-        )
-    return loss_func(
-        router_logits, getattr(model, spec.moe.num_experts), getattr(model, spec.moe.top_k), attention_mask
-    )
+def ensure_slot(model: torch.nn.Module) -> JobSlot:
+    """The model's job slot, installing the head interceptor and the loss_function stand-in on first use."""
+    head = model.get_output_embeddings()
+    resolve_head_module(head)  # a LoRA layer put on the head after patching is refused, not skipped
+    slot = model.__dict__.get(SLOT_ATTR)
+    if slot is None:
+        slot = JobSlot()
+        model.__dict__[SLOT_ATTR] = slot
+        install_interceptor(head, slot)
+        model.__dict__[PREVIOUS_LOSS_ATTR] = model.__dict__.get("_loss_function")
+        default = model.__dict__[PREVIOUS_LOSS_ATTR] or _default_loss_function(model)
+        model._loss_function = functools.partial(_slot_loss_function, slot, default)
+    else:
+        install_interceptor(head, slot)  # FSDP or PEFT may have replaced the head since
+    return slot
 
 
-def make_forward(original: Any, spec: ArchSpec) -> Any:
-    """A patched ``forward`` for the unbound ``original`` (the class's own forward), keeping its signature."""
+def _slot_loss_function(slot: JobSlot, default: Any, *args: Any, **kwargs: Any) -> Any:
+    job = slot.job
+    if job is None:
+        return default(*args, **kwargs)
+    return job.loss_function(*args, **kwargs)
+
+
+def make_forward(original: Any, head_config_of: Any) -> Any:
+    """A patched ``forward`` for the unbound ``original`` (the class's own forward), keeping its signature.
+
+    ``head_config_of(model)`` gives the head's :class:`HeadConfig`.
+    """
     signature = inspect.signature(original)
     var_kw = next((p.name for p in signature.parameters.values() if p.kind is inspect.Parameter.VAR_KEYWORD), None)
     if var_kw is None:
         raise TypeError(f"lce_patch: {original.__qualname__} takes no **kwargs; cannot patch it")
-    var_pos = next((p.name for p in signature.parameters.values() if p.kind is inspect.Parameter.VAR_POSITIONAL), None)
-    output_class = _output_class(original, spec)
-    output_fields = [f.name for f in dataclasses.fields(output_class)]
 
     @functools.wraps(original)
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         skip_logits = kwargs.pop("skip_logits", None)
         options: LCEOptions | None = getattr(self, OPTIONS_ATTR, None)
+        previous = self.__dict__.get(PREVIOUS_FORWARD_ATTR)
+        call_original = (
+            functools.partial(previous, *args) if previous is not None else functools.partial(original, self, *args)
+        )
+        if options is None:
+            return call_original(**kwargs)
         arguments = signature.bind(self, *args, **kwargs).arguments
         # One flat name -> value view of the call, whether a name is a parameter or went into **kwargs.
-        call = {k: v for k, v in arguments.items() if k not in ("self", var_kw, var_pos)}
+        call = {k: v for k, v in arguments.items() if k not in ("self", var_kw)}
         call.update(arguments.get(var_kw, {}))
-        logits_to_keep = call.get("logits_to_keep", 0)
         if skip_logits is None:
-            skip_logits = self.training or (options is not None and not options.return_logits_in_eval)
+            skip_logits = self.training or not options.return_logits_in_eval
+        logits_to_keep = call.get("logits_to_keep", 0)
         fuse = (
-            options is not None
-            and (call.get("labels") is not None or call.get("shift_labels") is not None)
+            (call.get("labels") is not None or call.get("shift_labels") is not None)
             and isinstance(logits_to_keep, int)
             and logits_to_keep == 0
-            and not arguments.get(var_pos)  # positional extras cannot be mapped onto the decoder's parameters
         )
         if not fuse:
-            previous = self.__dict__.get(PREVIOUS_FORWARD_ATTR)
-            return previous(*args, **kwargs) if previous is not None else original(self, *args, **kwargs)
-        return _fused_forward(self, spec, options, output_class, output_fields, call, not skip_logits)
+            return call_original(**kwargs)
+        slot = ensure_slot(self)
+        if slot.job is not None:
+            raise RuntimeError(f"lce_patch: {type(self).__name__}'s forward re-entered itself; not supported")
+        job = LossJob(self, head_config_of(self), options, call, want_logits=not skip_logits)
+        slot.job = job
+        try:
+            outputs = call_original(**kwargs)
+        except Exception as err:
+            if job.loss is not None and not job.returned:  # it used the zero-width stand-in as logits
+                raise _loss_outside_loss_function(self) from err
+            raise
+        finally:
+            slot.job = None
+        if not job.returned:
+            raise _loss_outside_loss_function(self)
+        return outputs if job.want_logits else _without_stand_in(outputs)
 
     setattr(forward, ORIGINAL_ATTR, original)
     return forward
 
 
-def _fused_forward(
-    model,
-    spec: ArchSpec,
-    options: LCEOptions,
-    output_class: type,
-    output_fields: list[str],
-    call: dict[str, Any],
-    want_logits: bool,
-):
-    return_dict = call.pop("return_dict", None)
-    if return_dict is None:
-        return_dict = getattr(model.config, "return_dict", True)
-    labels = call.pop("labels", None)
-    call.pop("logits_to_keep", None)
-    decoder_kwargs = dict(call)  # like Hugging Face's forwards, loss kwargs reach the decoder too
-    output_router_logits = False
-    if spec.moe is not None:
-        output_router_logits = call.get("output_router_logits")
-        if output_router_logits is None:
-            output_router_logits = getattr(model.config, "output_router_logits", False)
-        decoder_kwargs["output_router_logits"] = output_router_logits
-    if spec.decoder_gets_labels:
-        decoder_kwargs["labels"] = labels
-    decoder_kwargs.update(spec.decoder_extra_kwargs)
+def _loss_outside_loss_function(model: torch.nn.Module) -> RuntimeError:
+    return RuntimeError(
+        f"lce_patch: {type(model).__name__}'s forward did not compute its loss through self.loss_function; the "
+        "fused loss cannot stand in for it (revert_fused_lce(model) to train this model)"
+    )
 
-    shift_labels = call.get("shift_labels")
-    read_valid_count = None
-    if options.skip_ignored and not torch.compiler.is_compiling():
-        # Counted before the decoder is queued, read after: the loss then skips ignored tokens
-        # without waiting for the forward to finish (see start_valid_token_count). Under
-        # torch.compile reading the count would break the graph: the op counts inside its operator.
-        targets = shift_labels if shift_labels is not None else labels
-        ignore_index = call.get("ignore_index", options.ignore_index)
-        read_valid_count = start_valid_token_count(targets, ignore_index, shift=shift_labels is None)
 
-    outputs = getattr(model, spec.decoder)(**decoder_kwargs)
-    hidden = outputs.last_hidden_state if hasattr(outputs, "last_hidden_state") else outputs[0]
-    num_valid_tokens = read_valid_count() if read_valid_count is not None else None
-    loss = fused_causal_lm_loss(model, spec, hidden, labels, shift_labels, call, options, num_valid_tokens)
-
-    logits = None
-    if want_logits:
-        logits = spec.transform_logits(getattr(model, spec.head)(hidden), model.config)
-
-    aux_loss = None
-    if output_router_logits:
-        aux_loss = _moe_aux_loss(model, spec, outputs.router_logits, call.get("attention_mask"))
-        # As Hugging Face: the aux term joins the loss whenever a loss is computed.
-        loss = loss + getattr(model, spec.moe.coef) * aux_loss.to(loss.device)
-
-    values = {"loss": loss, "logits": logits, "aux_loss": aux_loss}
-    fields = {}
-    for name in output_fields:
-        fields[name] = values[name] if name in values else getattr(outputs, name, None)
-    result = output_class(**fields)
-    return result if return_dict else result.to_tuple()
+def _without_stand_in(outputs: Any) -> Any:
+    """The model's outputs with the zero-width logits stand-in dropped (``logits=None``)."""
+    if isinstance(outputs, tuple):
+        return tuple(v for v in outputs if not (isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape[-1] == 0))
+    if "logits" in outputs.keys():
+        fields = {k: v for k, v in outputs.items() if k != "logits"}
+        return type(outputs)(**fields)
+    return outputs

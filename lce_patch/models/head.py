@@ -8,6 +8,7 @@ of reading ``lm_head.weight`` behind the wrappers' back.
 
 from __future__ import annotations
 
+import types
 from collections.abc import Callable
 from typing import Any
 
@@ -117,3 +118,84 @@ def head_call(lm_head: torch.nn.Module, fn: Callable[..., Any], *args: Any) -> A
             setattr(inner, attr, previous)
         else:
             delattr(inner, attr)
+
+
+# --- The head interceptor -------------------------------------------------------------------------
+#
+# A patched model keeps its own ``forward``: the patch arms a *job* (labels and options), then calls
+# it. While armed, the LM head module computes the fused loss from the hidden states it is called
+# with (inside its own call, so FSDP/ZeRO-3 hooks gather its weight and arm their backward hooks on
+# its output) and returns a zero-width stand-in for the logits that carries the loss's autograd
+# graph; the model's logit transforms run on the stand-in for free, and its ``loss_function``
+# returns the fused loss. Unarmed, the head is the plain module.
+
+SLOT_ATTR = "_lce_patch_slot"
+_INTERCEPTED_ATTR = "_lce_patch_intercepted"
+
+
+class JobSlot:
+    """Holds the armed job of one patched model (None when idle). Shared, not copied, by ``deepcopy``.
+
+    Deep copies of a patched model (a TRL reference model, PEFT's ``modules_to_save`` copies of the head)
+    keep one slot with the original: a slot is only armed for the length of one forward, so sharing it
+    is safe, and it keeps every copy of the head reachable from the forward that arms it.
+    """
+
+    def __init__(self) -> None:
+        self.job: Any = None
+
+    def __deepcopy__(self, memo: dict) -> JobSlot:
+        return self
+
+
+def head_leaves(head: torch.nn.Module) -> list[torch.nn.Module]:
+    """The modules that compute the head: every copy behind a PEFT ``modules_to_save`` wrapper, else the head."""
+    modules_to_save, _, _ = _peft_classes()
+    head = _fsdp1_inner(head)
+    if modules_to_save and isinstance(head, modules_to_save):
+        return [_fsdp1_inner(head.original_module), *(_fsdp1_inner(m) for m in head.modules_to_save.values())]
+    return [head]
+
+
+def _intercepting_forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+    slot: JobSlot = self.__dict__[SLOT_ATTR]
+    job = slot.job
+    if job is None:
+        attr, previous = self.__dict__[_INTERCEPTED_ATTR]
+        if previous is not None:
+            return previous(*args, **kwargs)
+        return type(self).forward(self, *args, **kwargs)
+    if kwargs or len(args) != 1:
+        raise RuntimeError(
+            f"lce_patch: the LM head was called with {len(args)} positional and {sorted(kwargs)} keyword arguments; "
+            "the fused loss expects it to be called on the hidden states alone"
+        )
+    weight, bias = _head_params(self)
+    return job.run_head(weight, bias, args[0])
+
+
+def install_interceptor(head: torch.nn.Module, slot: JobSlot) -> None:
+    """Route ``head``'s computation through ``slot`` (idempotent). Accelerate hooks keep working."""
+    for leaf in head_leaves(head):
+        if _INTERCEPTED_ATTR in leaf.__dict__:
+            leaf.__dict__[SLOT_ATTR] = slot
+            continue
+        # accelerate's hooks (device_map / offload) call ``_old_forward`` after moving the weights.
+        attr = "_old_forward" if "_old_forward" in leaf.__dict__ else "forward"
+        leaf.__dict__[_INTERCEPTED_ATTR] = (attr, leaf.__dict__.get(attr))
+        leaf.__dict__[SLOT_ATTR] = slot
+        leaf.__dict__[attr] = types.MethodType(_intercepting_forward, leaf)
+
+
+def remove_interceptor(head: torch.nn.Module) -> None:
+    """Undo :func:`install_interceptor` exactly."""
+    for leaf in head_leaves(head):
+        state = leaf.__dict__
+        if _INTERCEPTED_ATTR not in state:
+            continue
+        attr, previous = state.pop(_INTERCEPTED_ATTR)
+        state.pop(SLOT_ATTR, None)
+        if previous is None:
+            state.pop(attr, None)
+        else:
+            state[attr] = previous

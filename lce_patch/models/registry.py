@@ -1,15 +1,23 @@
-"""Declarative registry: what differs between the supported causal-LM heads.
+"""Which architectures are patched, and how each one's head transforms its logits.
 
-Each entry says where the decoder and the LM head live, how the head transforms its logits
-(final-logit softcap, logit scale) and whether the model adds a MoE load-balancing loss. The one
-shared forward in ``forward.py`` does the work for all of them.
+Every entry is *derived*: the patched forward runs the model's own ``forward`` and only replaces
+what its LM head and its ``loss_function`` compute (``forward.py``), so an entry needs nothing but
+the head's logit transform (final-logit softcap, logit scale or divisor). That transform is read
+from the model: which of the known config fields its ``forward`` uses (``_TRANSFORM_FIELDS``), and
+their values on the model, its config or its text config. A type is *registered* when it is named
+in ``_REGISTERED`` below, i.e. when the test over every causal-LM type of the installed transformers
+(``tests/models/test_every_architecture.py``) proved it equal to the unpatched model. Explicit
+entries (``_OVERRIDES``) exist only where derivation is wrong; ``UNSUPPORTED`` says why each
+remaining type is refused. A model of any other type is patched with ``allow_unregistered=True``
+after a self-check of its loss and every gradient against its own forward (``patch.py``).
 """
 
 from __future__ import annotations
 
-import importlib
-from dataclasses import dataclass, field
-from typing import Any
+import dataclasses
+import functools
+import inspect
+from dataclasses import dataclass
 
 import torch
 
@@ -26,134 +34,109 @@ class HeadConfig:
 
 
 @dataclass(frozen=True)
-class MoeSpec:
-    """Attributes of the CausalLM instance that drive the load-balancing aux loss (as HF's forward reads them)."""
-
-    num_experts: str = "num_experts"
-    top_k: str = "num_experts_per_tok"
-    coef: str = "router_aux_loss_coef"
-    loss_func: str = "load_balancing_loss_func"  # looked up in the model class's own module
-
-
-@dataclass(frozen=True)
 class ArchSpec:
-    """One registry entry, keyed by ``config.model_type``."""
+    """One architecture: the names of the fields holding its head's logit transform.
+
+    A field is looked up on the model instance, then its config, then its text config (the first one
+    that is set wins), the places Hugging Face's forwards read it from.
+    """
 
     model_type: str
-    class_name: str  # the CausalLM class, in transformers.models.<package>.modeling_<package>
-    package: str = ""  # transformers.models.<package>; defaults to model_type
-    module: str = ""  # full module name of the class, overrides ``package`` (unregistered models)
-    decoder: str = "model"  # attribute holding the decoder (returns last_hidden_state)
-    head: str = "lm_head"  # attribute holding the output projection
-    softcap_attr: str | None = None  # config field of the final-logit softcap (None: no softcap)
-    logit_scale_attr: str | None = None  # config field multiplying the logits
-    logit_divisor_attr: str | None = None  # config field dividing the logits
-    moe: MoeSpec | None = None
-    decoder_gets_labels: bool = False  # HF's forward passes labels= to the decoder
-    decoder_extra_kwargs: tuple[tuple[str, Any], ...] = ()  # constant kwargs HF's forward adds to the decoder call
-    registered: bool = field(default=True, compare=False)
+    softcap_attr: str | None = None  # final-logit softcap: softcap * tanh(logits / softcap)
+    logit_scale_attr: str | None = None  # multiplies the logits
+    logit_divisor_attr: str | None = None  # divides the logits
+    registered: bool = True
 
-    @property
-    def module_name(self) -> str:
-        if self.module:
-            return self.module
-        package = self.package or self.model_type
-        return f"transformers.models.{package}.modeling_{package}"
-
-    def load_class(self) -> type:
-        return getattr(importlib.import_module(self.module_name), self.class_name)
-
-    def head_config(self, config) -> HeadConfig:
-        if hasattr(config, "get_text_config"):
-            config = config.get_text_config()
-        softcap = getattr(config, self.softcap_attr, None) if self.softcap_attr else None
+    def head_config(self, model: torch.nn.Module) -> HeadConfig:
+        softcap = _field(model, self.softcap_attr)
         scale = 1.0
-        if self.logit_scale_attr and getattr(config, self.logit_scale_attr, None) is not None:
-            scale = float(getattr(config, self.logit_scale_attr))
-        if self.logit_divisor_attr and getattr(config, self.logit_divisor_attr, None) is not None:
-            scale = scale / float(getattr(config, self.logit_divisor_attr))
+        multiplier = _field(model, self.logit_scale_attr)
+        if multiplier is not None:
+            scale *= float(multiplier)
+        divisor = _field(model, self.logit_divisor_attr)
+        if divisor is not None:
+            scale /= float(divisor)
         return HeadConfig(softcap=None if softcap is None else float(softcap), logit_scale=scale)
 
-    def transform_logits(self, logits: torch.Tensor, config) -> torch.Tensor:
-        """Apply the head's logit transform in the same operation order as Hugging Face's forwards."""
-        if hasattr(config, "get_text_config"):
-            config = config.get_text_config()
-        if self.logit_scale_attr and getattr(config, self.logit_scale_attr, None) is not None:
-            logits = logits * getattr(config, self.logit_scale_attr)
-        if self.logit_divisor_attr and getattr(config, self.logit_divisor_attr, None) is not None:
-            logits = logits / getattr(config, self.logit_divisor_attr)
-        cap = getattr(config, self.softcap_attr, None) if self.softcap_attr else None
-        if cap is not None:
-            logits = logits / cap
-            logits = torch.tanh(logits)
-            logits = logits * cap
-        return logits
 
-
-_MOE = MoeSpec()
-
-_ENTRIES = (
-    ArchSpec("llama", "LlamaForCausalLM"),
-    ArchSpec("mistral", "MistralForCausalLM"),
-    ArchSpec("mixtral", "MixtralForCausalLM", moe=_MOE),
-    ArchSpec("gemma", "GemmaForCausalLM"),
-    ArchSpec("gemma2", "Gemma2ForCausalLM", softcap_attr="final_logit_softcapping"),
-    ArchSpec("gemma3_text", "Gemma3ForCausalLM", package="gemma3", softcap_attr="final_logit_softcapping"),
-    # Gemma3ForConditionalGeneration: text loss only; HF applies no softcap in this class.
-    ArchSpec(
-        "gemma3",
-        "Gemma3ForConditionalGeneration",
-        decoder_gets_labels=True,
-        decoder_extra_kwargs=(("return_dict", True),),
-    ),
-    ArchSpec("qwen2", "Qwen2ForCausalLM"),
-    ArchSpec("qwen2_moe", "Qwen2MoeForCausalLM", moe=_MOE),
-    ArchSpec("qwen3", "Qwen3ForCausalLM"),
-    ArchSpec("qwen3_moe", "Qwen3MoeForCausalLM", moe=_MOE),
-    ArchSpec("cohere", "CohereForCausalLM", logit_scale_attr="logit_scale"),
-    ArchSpec("granite", "GraniteForCausalLM", logit_divisor_attr="logits_scaling"),
+# The logit transforms Hugging Face heads apply, by the field that drives them: (kind, field).
+_TRANSFORM_FIELDS = (
+    ("softcap", "final_logit_softcapping"),
+    ("softcap", "logits_soft_cap"),
+    ("softcap", "output_logit_soft_cap"),
+    ("scale", "logit_scale"),
+    ("scale", "output_multiplier"),
+    ("divisor", "logits_scaling"),
 )
 
-REGISTRY: dict[str, ArchSpec] = {entry.model_type: entry for entry in _ENTRIES}
+
+def _field(model: torch.nn.Module, name: str | None) -> float | None:
+    if name is None:
+        return None
+    config = model.config
+    places = [model, config]
+    if hasattr(config, "get_text_config"):
+        places.append(config.get_text_config())
+    for place in places:
+        value = getattr(place, name, None) if place is not model else vars(model).get(name)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return value
+        if isinstance(value, torch.Tensor) and value.numel() == 1:
+            return value.item()
+    return None
+
+
+@functools.cache
+def _fields_used_by(forward) -> tuple[tuple[str, str], ...]:
+    """The transform fields a forward's source names (empty when the source cannot be read)."""
+    try:
+        source = inspect.getsource(forward)
+    except (OSError, TypeError):
+        return ()
+    found = []
+    for kind, name in _TRANSFORM_FIELDS:
+        # `logit_scale` is a prefix of nothing else we look for; require a word boundary on both sides.
+        index = source.find(name)
+        while index >= 0:
+            before = source[index - 1] if index else " "
+            after = source[index + len(name)] if index + len(name) < len(source) else " "
+            if not (before.isalnum() or before == "_") and not (after.isalnum() or after == "_"):
+                found.append((kind, name))
+                break
+            index = source.find(name, index + 1)
+    return tuple(found)
+
+
+def derived_spec(forward, model_type: str, registered: bool = False) -> ArchSpec:
+    """The entry of a class whose (unpatched) ``forward`` is given, read from its source (see the module docstring)."""
+    fields: dict[str, str] = {}
+    for kind, name in _fields_used_by(forward):
+        fields.setdefault(kind, name)
+    spec = ArchSpec(
+        model_type=model_type,
+        softcap_attr=fields.get("softcap"),
+        logit_scale_attr=fields.get("scale"),
+        logit_divisor_attr=fields.get("divisor"),
+        registered=registered,
+    )
+    return dataclasses.replace(spec, **_OVERRIDES.get(model_type, {}))
+
+
+# Where derivation is wrong, the fields to use instead (none needed so far).
+_OVERRIDES: dict[str, dict] = {}
+
+# Proven equal to the unpatched model (loss, every gradient, inference logits, generate, revert) by
+# tests/models/test_every_architecture.py on transformers 5.23. Adding a type is adding its name.
+_REGISTERED = """
+llama mistral mixtral gemma gemma2 gemma3 gemma3_text qwen2 qwen2_moe qwen3 qwen3_moe cohere granite
+""".split()
+
+# Types of the installed transformers' causal-LM and image-text-to-text mappings that are refused, and why.
+UNSUPPORTED: dict[str, str] = {}
+
+REGISTRY: frozenset[str] = frozenset(_REGISTERED)
 
 
 def supported_architectures() -> list[str]:
-    """The ``config.model_type`` values :func:`lce_patch.apply_fused_lce` patches."""
+    """The ``config.model_type`` values :func:`lce_patch.apply_fused_lce` patches without a self-check."""
     return sorted(REGISTRY)
-
-
-def inferred_spec(model: torch.nn.Module) -> ArchSpec:
-    """A best-guess entry for an unregistered model (checked against its own loss before use)."""
-    config = model.config
-    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
-    head = model.get_output_embeddings()
-    head_name = next((name for name, child in model.named_children() if child is head), None)
-    decoder_name = getattr(model, "base_model_prefix", "model")
-    if head_name is None or not hasattr(model, decoder_name):
-        raise ValueError(
-            f"{type(model).__name__}: cannot locate the decoder ({decoder_name!r}) and the output embedding "
-            "as direct children of the model"
-        )
-    moe = None
-    if all(hasattr(model, name) for name in (_MOE.num_experts, _MOE.top_k, _MOE.coef)):
-        moe = _MOE
-    # The same config fields TRL's fused head reads.
-    scale_attr = next(
-        (a for a in ("logit_scale", "output_multiplier", "lm_head_multiplier") if getattr(text_config, a, None)),
-        None,
-    )
-    divisor_attr = None
-    if scale_attr is None and getattr(text_config, "logits_scaling", None) is not None:
-        divisor_attr = "logits_scaling"
-    return ArchSpec(
-        model_type=getattr(config, "model_type", type(model).__name__),
-        class_name=type(model).__name__,
-        module=type(model).__module__,
-        decoder=decoder_name,
-        head=head_name,
-        softcap_attr="final_logit_softcapping" if getattr(text_config, "final_logit_softcapping", None) else None,
-        logit_scale_attr=scale_attr,
-        logit_divisor_attr=divisor_attr,
-        moe=moe,
-        registered=False,
-    )

@@ -125,7 +125,7 @@ def test_class_patch_by_model_type():
     original = LlamaForCausalLM.__dict__["forward"]
     reference = tiny_model("llama")
     try:
-        assert lce_patch.apply_fused_lce("llama", backend="torch") is LlamaForCausalLM
+        assert lce_patch.apply_fused_lce("llama", backend="torch") == (LlamaForCausalLM,)
         lce_patch.apply_fused_lce("llama", backend="torch")  # twice: harmless
         assert is_patched("llama")
         model = tiny_model("llama")  # built after patching: uses the fused loss
@@ -269,7 +269,9 @@ def test_head_weight_is_read_inside_the_head_module_call():
     model.train()
     model(**_batch("ignored_labels", torch.Generator().manual_seed(12)))
     assert calls == [torch.Size([2, 12, 32])]  # the hidden states went through lm_head(...) (where FSDP hooks fire)
-    assert "forward" not in vars(model.lm_head)  # the redirection is undone
+    lce_patch.revert_fused_lce(model)
+    assert "forward" not in vars(model.lm_head) and "_loss_function" not in vars(model)  # the interception is undone
+    assert not any(name.startswith("_lce_patch") for name in vars(model.lm_head))
 
 
 def test_head_call_redirects_one_call():

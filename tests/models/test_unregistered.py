@@ -61,13 +61,39 @@ class _ScaledLoss(LlamaForCausalLM):
     def forward(self, *args, **kwargs):
         out = super().forward(*args, **kwargs)
         if out.loss is not None:
-            out.loss = out.loss * 2  # something the generic forward cannot know
+            out.loss = out.loss * 2  # wraps the forward the patch runs: the fused loss is doubled too
         return out
 
 
-def _subclass_instance(cls):
+class _GradientOnlyHead(torch.nn.Linear):
+    """Same logits as a Linear, but their gradient is scaled by 1.5: invisible to a loss-only check."""
+
+    def forward(self, x):
+        y = super().forward(x)
+        return y + 0.5 * (y - y.detach())
+
+
+class _SoftcappedHead(torch.nn.Linear):
+    """A softcap inside the head's own forward (named by no config field): shows only on large logits."""
+
+    def forward(self, x):
+        return 30.0 * torch.tanh(super().forward(x) / 30.0)
+
+
+class _InlineLoss(LlamaForCausalLM):
+    def forward(self, input_ids=None, labels=None, **kwargs):
+        out = super().forward(input_ids=input_ids, **kwargs)
+        if labels is not None:
+            logits = out.logits[:, :-1].flatten(0, 1)
+            out.loss = torch.nn.functional.cross_entropy(logits, labels[:, 1:].flatten(), ignore_index=-100)
+        return out
+
+
+def _subclass_instance(cls, head_cls=None):
     base = tiny_model("llama")
     model = cls(base.config)
+    if head_cls is not None:
+        model.lm_head = head_cls(model.config.hidden_size, model.config.vocab_size, bias=False)
     model.load_state_dict(base.state_dict())
     return model
 
@@ -81,8 +107,38 @@ def test_subclass_overriding_forward_needs_the_self_check():
     assert model(**_batch("ignored_labels", torch.Generator().manual_seed(31))).logits is None
 
 
-def test_failed_self_check_is_refused_and_reverted():
+def test_subclass_changing_the_loss_after_the_forward_trains_equal():
     model = _subclass_instance(_ScaledLoss)
-    with pytest.raises(ValueError, match="its own loss is .* but the fused loss is .*Supported model types"):
+    reference = copy.deepcopy(model)
+    lce_patch.apply_fused_lce(model, allow_unregistered=True)
+    batch = _batch("ignored_labels", torch.Generator().manual_seed(32))
+    model.train()
+    reference.train()
+    out, ref = model(**batch), reference(**batch)
+    assert out.logits is None
+    assert_close(out.loss, ref.loss)
+    out.loss.backward()
+    ref.loss.backward()
+    assert_grads_match(model, reference)
+
+
+@pytest.mark.parametrize(
+    "cls, head_cls, message",
+    [
+        # equal loss, wrong gradient: the check compares every parameter's gradient
+        (_Passthrough, _GradientOnlyHead, r"differs from the model's own in: model\.embed_tokens\.weight \(gradient differs by"),
+        # a softcap a tiny model's logits would hide: the check scales the logits up
+        (LlamaForCausalLM, _SoftcappedHead, r"differs from the model's own in: loss"),
+        (_InlineLoss, None, r"did not compute its loss through self.loss_function"),
+    ],
+    ids=["gradient_only", "hidden_softcap", "inline_loss"],
+)
+def test_failed_self_check_is_refused_and_reverted(cls, head_cls, message):
+    model = _subclass_instance(cls, head_cls)
+    # a registered class with a custom head module is not registered: it goes through the check too
+    grads_before = {name: p.grad for name, p in model.named_parameters()}
+    with pytest.raises(ValueError, match=message):
         lce_patch.apply_fused_lce(model, allow_unregistered=True)
-    assert not is_patched(model) and "forward" not in vars(model)
+    assert not is_patched(model) and "forward" not in vars(model) and "_loss_function" not in vars(model)
+    assert not any(name.startswith("_lce_patch") for name in vars(model.lm_head))
+    assert all(p.grad is grads_before[name] for name, p in model.named_parameters())
