@@ -3,8 +3,8 @@
 Every entry is *derived*: the patched forward runs the model's own ``forward`` and only replaces
 what its LM head and its ``loss_function`` compute (``forward.py``), so an entry needs nothing but
 the head's logit transform (final-logit softcap, logit scale or divisor). That transform is read
-from the model: which of the known config fields its ``forward`` uses (``_TRANSFORM_FIELDS``), and
-their values on the model, its config or its text config. A type is *registered* when it is named
+from the model: which of the known fields its ``forward`` applies to the logits, and how
+(``_transforms_in``), and their values on the model, its config or its text config. A type is *registered* when it is named
 in ``_REGISTERED`` below, i.e. when the test over every causal-LM type of the installed transformers
 (``tests/models/test_every_architecture.py``) proved it equal to the unpatched model. Explicit
 entries (``_OVERRIDES``) exist only where derivation is wrong; ``UNSUPPORTED`` says why each
@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import re
 from dataclasses import dataclass
 
 import torch
@@ -59,26 +60,25 @@ class ArchSpec:
         return HeadConfig(softcap=None if softcap is None else float(softcap), logit_scale=scale)
 
 
-# The logit transforms Hugging Face heads apply, by the field that drives them: (kind, field).
-_TRANSFORM_FIELDS = (
-    ("softcap", "final_logit_softcapping"),
-    ("softcap", "logits_soft_cap"),
-    ("softcap", "output_logit_soft_cap"),
-    ("scale", "logit_scale"),
-    ("scale", "output_multiplier"),
-    ("divisor", "logits_scaling"),
+# The fields that drive Hugging Face heads' logit transforms. A softcap field always means a softcap;
+# a scale field multiplies or divides, as the operator in front of it in the forward's source says.
+_SOFTCAP_FIELDS = ("final_logit_softcapping", "logits_soft_cap", "output_logit_soft_cap")
+_SCALE_FIELDS = ("logit_scale", "output_multiplier", "lm_head_multiplier", "logits_scaling")
+_FIELD_REFERENCE = re.compile(
+    r"(?P<op>[*/])?\s*(?:[A-Za-z_][A-Za-z0-9_]*\.)*(?P<name>" + "|".join(_SOFTCAP_FIELDS + _SCALE_FIELDS) + r")\b"
 )
 
 
 def _field(model: torch.nn.Module, name: str | None) -> float | None:
+    """A field's value on the model, its config, or its (decoder) text config, the first that is set."""
     if name is None:
         return None
     config = model.config
-    places = [model, config]
+    places = [vars(model), config]
     if hasattr(config, "get_text_config"):
-        places.append(config.get_text_config())
+        places.append(config.get_text_config(decoder=True))
     for place in places:
-        value = getattr(place, name, None) if place is not model else vars(model).get(name)
+        value = place.get(name) if isinstance(place, dict) else getattr(place, name, None)
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return value
         if isinstance(value, torch.Tensor) and value.numel() == 1:
@@ -87,30 +87,36 @@ def _field(model: torch.nn.Module, name: str | None) -> float | None:
 
 
 @functools.cache
-def _fields_used_by(forward) -> tuple[tuple[str, str], ...]:
-    """The transform fields a forward's source names (empty when the source cannot be read)."""
+def _transforms_in(forward) -> tuple[tuple[str, str], ...]:
+    """(kind, field) of each logit transform a forward's source applies after its head.
+
+    A softcap field named anywhere is a softcap (no other use of those names exists). A scale field
+    counts where a statement assigning ``logits`` multiplies or divides by it: a field scaling the
+    hidden states *before* the head (MiniCPM3) is already in what the head receives. Empty when the
+    source cannot be read.
+    """
     try:
         source = inspect.getsource(forward)
     except (OSError, TypeError):
         return ()
-    found = []
-    for kind, name in _TRANSFORM_FIELDS:
-        # `logit_scale` is a prefix of nothing else we look for; require a word boundary on both sides.
-        index = source.find(name)
-        while index >= 0:
-            before = source[index - 1] if index else " "
-            after = source[index + len(name)] if index + len(name) < len(source) else " "
-            if not (before.isalnum() or before == "_") and not (after.isalnum() or after == "_"):
-                found.append((kind, name))
-                break
-            index = source.find(name, index + 1)
+    found: list[tuple[str, str]] = []
+    for match in _FIELD_REFERENCE.finditer(source):
+        if match["name"] in _SOFTCAP_FIELDS and not any(kind == "softcap" for kind, _ in found):
+            found.append(("softcap", match["name"]))
+    for line in source.splitlines():
+        target, equals, expression = line.partition("=")
+        if not equals or target.strip() != "logits" or expression.startswith("="):
+            continue
+        for match in _FIELD_REFERENCE.finditer(expression):
+            if match["name"] in _SCALE_FIELDS and match["op"] is not None:
+                found.append(("divisor" if match["op"] == "/" else "scale", match["name"]))
     return tuple(found)
 
 
 def derived_spec(forward, model_type: str, registered: bool = False) -> ArchSpec:
     """The entry of a class whose (unpatched) ``forward`` is given, read from its source (see the module docstring)."""
     fields: dict[str, str] = {}
-    for kind, name in _fields_used_by(forward):
+    for kind, name in _transforms_in(forward):
         fields.setdefault(kind, name)
     spec = ArchSpec(
         model_type=model_type,
@@ -128,11 +134,74 @@ _OVERRIDES: dict[str, dict] = {}
 # Proven equal to the unpatched model (loss, every gradient, inference logits, generate, revert) by
 # tests/models/test_every_architecture.py on transformers 5.23. Adding a type is adding its name.
 _REGISTERED = """
-llama mistral mixtral gemma gemma2 gemma3 gemma3_text qwen2 qwen2_moe qwen3 qwen3_moe cohere granite
+afmoe apertus arcee aria aria_text axk1 axk2 aya_vision bailing_hybrid bamba beam bert bert-generation
+big_bird biogpt bitnet blip-2 bloom blt camembert codegen cohere cohere2 cohere2_moe cohere2_vision
+cohere_compass cohere_compass_text cosmos3_edge cosmos3_omni ctrl cwm data2vec-text dbrx deepseek_ocr2
+deepseek_v2 deepseek_v3 deepseek_v32 deepseek_v4 deepseek_vl deepseek_vl_hybrid diffllama doge dots1
+dots3_note dots3_note_text electra emu3 ernie ernie4_5 ernie4_5_moe ernie4_5_vl_moe evolla exaone4 exaone4_5
+exaone_moe falcon falcon_h1 falcon_mamba flex_olmo flint fuyu gemma gemma2 gemma3 gemma3_text gemma3n_text
+gemma4 gemma4_text gemma4_unified gemma4_unified_text glm glm4 glm46v glm4_moe glm4_moe_lite glm4v glm4v_moe
+glm5_next glm_moe_dsa glm_ocr glmga got_ocr2 gpt-sw3 gpt2 gpt_bigcode gpt_neo gpt_neox gpt_neox_japanese
+gpt_oss gptj granite granite4_vision granite_docling granite_swa granitemoe granitemoe_swa granitemoehybrid
+granitemoeshared helium hrm_text hunyuan_v1_dense hunyuan_v1_moe hunyuan_vl hy_v3 hy_v4 hyperclovax
+hyperclovax_vision_v2 idefics2 idefics3 inkling_mm_model inkling_text instructblip internlm3 internvl
+iquestcoder jais2 jamba janus jetmoe kimi_k25 kimi_linear kolibri1 laguna lfm2 lfm2_moe lfm2_vl lfm3 lfm3_vl
+lighton_ocr llama llama4 llama4_text llava llava_next llava_next_video llava_onevision longcat_flash mamba
+mamba2 megatron-bert mellum mimo_v2_flash minicpm3 minicpm_ocr minicpmv4_6 minicpmv4_7 minimax minimax_m2
+minimax_m3_vl minimax_m3_vl_text ministral ministral3 mistral mistral3 mistral4 mistral_large4 mixtral mllama
+modernbert-decoder molmo2 moshi moss_transcribe_diarize mpt muse_glimmer muse_spark nanochat nemotron
+nemotron_h olmo olmo2 olmo3 olmo_hybrid olmoe openai-gpt opt ovis2 paddleocr_vl paligemma persimmon phi phi3
+phi4_multimodal phimoe pp_chart2table qianfan_ocr qwen2 qwen2_5_omni_thinker qwen2_5_vl qwen2_moe qwen2_vl
+qwen3 qwen3_5 qwen3_5_moe qwen3_5_moe_text qwen3_5_text qwen3_moe qwen3_next qwen3_omni_moe_thinker qwen3_vl
+qwen3_vl_moe qwen4_exp qwen4_exp_text recurrent_gemma rembert roberta roberta-prelayernorm roc_bert roformer
+rwkv seed_oss shieldgemma2 smollm3 smolvlm solar_open stablelm starcoder2 step3p7 unlimited_ocr vaultgemma
+video_llama_3 video_llava vipllava xglm xlm-roberta xlm-roberta-xl xlstm xmod youtu zamba zamba2 zaya
 """.split()
 
 # Types of the installed transformers' causal-LM and image-text-to-text mappings that are refused, and why.
-UNSUPPORTED: dict[str, str] = {}
+UNSUPPORTED: dict[str, str] = {
+    "bart": "computes its loss inline (a CrossEntropyLoss on the logits), not through loss_function",
+    "bigbird_pegasus": "computes its loss inline (a CrossEntropyLoss on the logits), not through loss_function",
+    "blenderbot": "computes its loss inline (a CrossEntropyLoss on the logits), not through loss_function",
+    "blenderbot-small": "computes its loss inline (a CrossEntropyLoss on the logits), not through loss_function",
+    "blip": "its text decoder's head is not exposed by get_output_embeddings()",
+    "chameleon": "masks the image-token logits before the loss (in place, on the full logits)",
+    "cpmant": "computes its loss inline (a CrossEntropyLoss on the logits), not through loss_function",
+    "diffusion_gemma": "block diffusion: no causal language-model loss on labels",
+    "fast_vlm": "not verified: the vision tower is a timm model (timm is not installed in CI)",
+    "florence2": "encoder-decoder: the loss is on the decoder's unshifted targets; not verified",
+    "gemma3n": "not verified: the vision tower is a timm model (timm is not installed in CI); its text model, gemma3n_text, is registered",
+    "gemma4_assistant": "speculative-decoding drafter: reads the target model's KV states, no labels",
+    "gemma4_unified_assistant": "speculative-decoding drafter: reads the target model's KV states, no labels",
+    "git": "not verified: its forward needs image inputs the test suite does not build yet",
+    "idefics": "not verified: its forward needs image inputs the test suite does not build yet",
+    "inkling2": "applies a learned logit softcap module and cuts the logits to an unpadded vocabulary",
+    "inkling2_text": "applies a learned logit softcap module and cuts the logits to an unpadded vocabulary",
+    "instructblipvideo": "not verified: its forward needs image inputs the test suite does not build yet",
+    "kosmos-2": "not verified: its forward needs image inputs the test suite does not build yet",
+    "kosmos-2.5": "computes its loss inline (a CrossEntropyLoss on the logits), not through loss_function",
+    "marian": "computes its loss inline (a CrossEntropyLoss on the logits), not through loss_function",
+    "mbart": "computes its loss inline (a CrossEntropyLoss on the logits), not through loss_function",
+    "musicgen": "audio-codebook decoder: labels per codebook, several heads",
+    "musicgen_melody": "audio-codebook decoder: labels per codebook, several heads",
+    "mvp": "computes its loss inline (a CrossEntropyLoss on the logits), not through loss_function",
+    "nemotron_h_omni": "its head is not exposed by get_output_embeddings()",
+    "pegasus": "computes its loss inline (a CrossEntropyLoss on the logits), not through loss_function",
+    "perception_lm": "not verified: the vision tower is a timm model (timm is not installed in CI)",
+    "pi0": "a vision-language-action policy: flow-matching loss on actions, no language-model loss",
+    "pix2struct": "encoder-decoder: the loss is on the decoder's unshifted targets; not verified",
+    "plbart": "computes its loss inline (a CrossEntropyLoss on the logits), not through loss_function",
+    "pp_formulanet": "encoder-decoder: the loss is on the decoder's unshifted targets; not verified",
+    "prophetnet": "n-gram prediction streams: its head sees 4-D hidden states",
+    "reformer": "its reversible layers backpropagate only in training mode; not verified",
+    "t5gemma2": "encoder-decoder: the loss is on the decoder's unshifted targets; not verified",
+    "trocr": "computes its loss inline (a CrossEntropyLoss on the logits), not through loss_function",
+    "udop": "encoder-decoder: the loss is on the decoder's unshifted targets; not verified",
+    "vision-encoder-decoder": "encoder-decoder: the loss is on the decoder's unshifted targets; not verified",
+    "whisper": "computes its loss inline (a CrossEntropyLoss on the logits), not through loss_function",
+    "xlm": "computes its loss inline (a CrossEntropyLoss on the logits), not through loss_function",
+    "xlnet": "computes its loss inline (a CrossEntropyLoss on the logits), not through loss_function",
+}
 
 REGISTRY: frozenset[str] = frozenset(_REGISTERED)
 
@@ -140,3 +209,20 @@ REGISTRY: frozenset[str] = frozenset(_REGISTERED)
 def supported_architectures() -> list[str]:
     """The ``config.model_type`` values :func:`lce_patch.apply_fused_lce` patches without a self-check."""
     return sorted(REGISTRY)
+
+
+def architectures_markdown() -> str:
+    """The README's list of supported and unsupported architectures, generated from this module."""
+    lines = [
+        f"**Registered ({len(REGISTRY)} model types)**, patched by `apply_fused_lce(model)` with no options "
+        "(each proven equal to the unpatched model by `tests/models/test_every_architecture.py`):",
+        "",
+        ", ".join(f"`{name}`" for name in supported_architectures()),
+        "",
+        f"**Refused ({len(UNSUPPORTED)} model types)**, with the reason:",
+        "",
+        "| model type | reason |",
+        "|---|---|",
+    ]
+    lines += [f"| `{name}` | {reason} |" for name, reason in sorted(UNSUPPORTED.items())]
+    return "\n".join(lines) + "\n"

@@ -126,7 +126,11 @@ def test_subclass_changing_the_loss_after_the_forward_trains_equal():
     "cls, head_cls, message",
     [
         # equal loss, wrong gradient: the check compares every parameter's gradient
-        (_Passthrough, _GradientOnlyHead, r"differs from the model's own in: model\.embed_tokens\.weight \(gradient differs by"),
+        (
+            _Passthrough,
+            _GradientOnlyHead,
+            r"differs from the model's own in: model\.embed_tokens\.weight \(gradient differs by",
+        ),
         # a softcap a tiny model's logits would hide: the check scales the logits up
         (LlamaForCausalLM, _SoftcappedHead, r"differs from the model's own in: loss"),
         (_InlineLoss, None, r"did not compute its loss through self.loss_function"),

@@ -68,15 +68,17 @@ def pair(model_type: str, **overrides):
     return model, copy.deepcopy(model)
 
 
-def assert_close(actual, expected, rel=1e-5, what=""):
+def assert_close(actual, expected, rel=1e-5, what="", floor=0.0):
     actual, expected = actual.detach().double(), expected.detach().double()
-    scale = expected.abs().max().item()
+    scale = max(expected.abs().max().item(), floor)
     err = (actual - expected).abs().max().item()
     assert err <= rel * scale + 1e-9, f"{what}: max abs err {err:.3g} vs scale {scale:.3g}"
 
 
 def assert_grads_match(model, reference, rel=1e-5):
+    """Every gradient equal to ``rel`` of its own scale, or of 1e-3 of the largest (numerically zero ones)."""
     params = dict(reference.named_parameters())
+    floor = 1e-3 * max((p.grad.abs().max().item() for p in params.values() if p.grad is not None), default=0.0)
     checked = 0
     for name, param in model.named_parameters():
         ref = params[name]
@@ -84,6 +86,6 @@ def assert_grads_match(model, reference, rel=1e-5):
             assert param.grad is None or not param.grad.any(), f"{name}: gradient where the reference has none"
             continue
         assert param.grad is not None, f"{name}: no gradient"
-        assert_close(param.grad, ref.grad, rel, name)
+        assert_close(param.grad, ref.grad, rel, name, floor=floor)
         checked += 1
     assert checked > 0

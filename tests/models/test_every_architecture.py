@@ -1,0 +1,149 @@
+"""Every causal-LM and image-text-to-text type of the installed transformers, patched against unpatched.
+
+A tiny random model of each type (``zoo.py``; with images, ``zoo_vision.py``) is patched and compared
+with an untouched copy: the training loss and the gradient of every parameter (on logits scaled to a
+standard deviation of 50, where a missing softcap or scale shows), the inference logits, ``generate()``
+and the revert. What a type gets decides how it is patched:
+
+- registered (``lce_patch.supported_architectures()``): ``apply_fused_lce(model)`` with no options, and
+  every comparison must hold;
+- listed in ``UNSUPPORTED``: refused by default, and the self-check of ``allow_unregistered=True``
+  must refuse it too (no type passes the check and then trains differently);
+- neither (a type a newer transformers added): patched through ``allow_unregistered=True``; if the
+  check accepts it, every comparison must hold, which is the forward-compatibility promise.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import lce_patch
+from lce_patch.models import UNSUPPORTED, is_patched
+
+from .tiny import assert_close, assert_grads_match
+from .zoo import EXCLUDED, NO_GENERATE, ZOO_TYPES, build_tiny, text_batch
+from .zoo_vision import VISION_TYPES, build_tiny_vision, vision_batch
+
+LOGIT_STD = 50.0
+# Registered types whose forward cannot run without images: proven by test_with_images alone.
+IMAGES_REQUIRED = {"blip-2", "instructblip"}
+
+
+class _ScaledHeadInput:
+    """Forward pre-hook on the LM head: hidden states times a factor giving raw logits of std ``LOGIT_STD``.
+
+    The factor is measured on the first call (the reference model) and reused for the patched one.
+    """
+
+    def __init__(self) -> None:
+        self.factor: float | None = None
+
+    def __call__(self, module: torch.nn.Module, args: tuple) -> tuple:
+        hidden = args[0]
+        if self.factor is None:
+            with torch.no_grad():
+                std = float((hidden.float() @ module.weight.float().t()).std())
+            self.factor = LOGIT_STD / std if std > 0 else 1.0
+        return (hidden * self.factor, *args[1:])
+
+
+def _classified(model_type: str) -> str:
+    if model_type in lce_patch.supported_architectures():
+        return "registered"
+    return "unsupported" if model_type in UNSUPPORTED else "unclassified"
+
+
+def _patch(model: torch.nn.Module, model_type: str) -> bool:
+    """Patch as a user would; False when the type is (rightly) refused."""
+    kind = _classified(model_type)
+    if kind == "registered":
+        lce_patch.apply_fused_lce(model, backend="torch")
+        return True
+    with pytest.raises(ValueError, match="not a supported architecture"):
+        lce_patch.apply_fused_lce(model, backend="torch")
+    if kind == "unsupported":
+        with pytest.raises((ValueError, NotImplementedError, TypeError)):
+            lce_patch.apply_fused_lce(model, backend="torch", allow_unregistered=True)
+        assert not is_patched(model)
+        return False
+    try:
+        lce_patch.apply_fused_lce(model, backend="torch", allow_unregistered=True)
+    except ValueError:
+        assert not is_patched(model)
+        return False
+    return True
+
+
+def _compare_training(model, reference, batch) -> None:
+    scaling = _ScaledHeadInput()
+    hooks = [m.get_output_embeddings().register_forward_pre_hook(scaling) for m in (reference, model)]
+    try:
+        reference.train()
+        model.train()
+        ref = reference(**batch)
+        out = model(**batch)
+        assert out.logits is None
+        assert_close(out.loss, ref.loss, rel=1e-5, what="loss")
+        ref.loss.backward()
+        out.loss.backward()
+        assert_grads_match(model, reference, rel=1e-4)
+    finally:
+        for hook in hooks:
+            hook.remove()
+
+
+def _compare_inference(model, reference, batch, generate: bool) -> None:
+    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    model.eval()
+    reference.eval()
+    with torch.no_grad():
+        assert torch.equal(model(**inputs).logits, reference(**inputs).logits)
+        if generate:
+            prompt = dict(input_ids=batch["input_ids"][:1, :6], attention_mask=torch.ones(1, 6, dtype=torch.long))
+            kwargs = dict(max_new_tokens=2, do_sample=False)
+            assert torch.equal(model.generate(**prompt, **kwargs), reference.generate(**prompt, **kwargs))
+
+
+def _check_revert(model, reference, batch) -> None:
+    lce_patch.revert_fused_lce(model)
+    assert not is_patched(model) and "forward" not in vars(model) and "_loss_function" not in vars(model)
+    head = model.get_output_embeddings()
+    assert not any(name.startswith("_lce_patch") for name in vars(head)) and "forward" not in vars(head)
+    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    with torch.no_grad():
+        assert torch.equal(model(**inputs).logits, reference(**inputs).logits)
+
+
+@pytest.mark.parametrize("model_type", [t for t in ZOO_TYPES if t not in EXCLUDED and t not in IMAGES_REQUIRED])
+def test_text(model_type):
+    model = build_tiny(model_type)
+    reference = copy.deepcopy(model)
+    if not _patch(model, model_type):
+        return
+    batch = text_batch(model, torch.Generator().manual_seed(0))
+    _compare_training(model, reference, batch)
+    _compare_inference(model, reference, batch, generate=model_type not in NO_GENERATE)
+    _check_revert(model, reference, batch)
+
+
+@pytest.mark.parametrize("model_type", VISION_TYPES)
+def test_with_images(model_type):
+    model = build_tiny_vision(model_type)
+    reference = copy.deepcopy(model)
+    if not _patch(model, model_type):
+        return
+    batch = vision_batch(model, torch.Generator().manual_seed(0))
+    _compare_training(model, reference, batch)
+    _check_revert(model, reference, batch)
+
+
+def test_every_type_is_classified():
+    """Each type of the installed mappings is registered, refused with a reason, or excluded from the zoo."""
+    registered = set(lce_patch.supported_architectures())
+    assert not registered & set(UNSUPPORTED)
+    assert set(EXCLUDED) <= set(UNSUPPORTED), "a type the zoo cannot build is listed in UNSUPPORTED with the reason"
+    assert all(reason for reason in UNSUPPORTED.values())
+    assert IMAGES_REQUIRED <= set(VISION_TYPES)
