@@ -147,3 +147,15 @@ def test_every_type_is_classified():
     assert set(EXCLUDED) <= set(UNSUPPORTED), "a type the zoo cannot build is listed in UNSUPPORTED with the reason"
     assert all(reason for reason in UNSUPPORTED.values())
     assert IMAGES_REQUIRED <= set(VISION_TYPES)
+
+
+def test_readme_lists_the_registry():
+    """The README's architecture list is `python -m lce_patch.models`'s output (regenerate it if this fails)."""
+    from pathlib import Path
+
+    from lce_patch.models.registry import architectures_markdown
+
+    readme = (Path(__file__).parents[2] / "README.md").read_text()
+    start, end = "<!-- architectures:start -->\n", "<!-- architectures:end -->"
+    block = readme[readme.index(start) + len(start) : readme.index(end)]
+    assert block == architectures_markdown()

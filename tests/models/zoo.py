@@ -86,7 +86,7 @@ _SIZES: dict[str, int] = {
     # odds and ends
     **_same(8, "hidden_size_per_layer_input", "laurel_rank"),
     **_same(16, "adapter_rank"),
-    **_same(4, "resampler_n_latents", "resampler_num_latents", "latent_query_num"),
+    **_same(4, "resampler_n_latents", "resampler_num_latents", "latent_query_num", "num_query_tokens"),
     **_same(1, "resampler_depth", "aligner_num_add_layers"),
     # SAM-style vision necks (got_ocr2, deepseek-ocr, ...)
     "output_channels": 16,
@@ -253,12 +253,15 @@ def _generic(config: PretrainedConfig) -> dict[str, Any]:
 
 
 def _sub_configs(config: PretrainedConfig) -> dict[str, PretrainedConfig]:
+    """The sub-configs held by a config (text_config, vision_config, audio_config, vq_config, ...)."""
     return {k: v for k, v in _fields(config).items() if isinstance(v, PretrainedConfig)}
 
 
 def _shrink(
     cls: type[PretrainedConfig], default: PretrainedConfig, init_kwargs: dict[str, Any], overrides: dict[str, Any]
 ) -> PretrainedConfig:
+    """A new `cls` built from the generic tiny kwargs of `default` (and of its sub-configs, recursively), the
+    sub-config spec's `init_kwargs` and the `overrides`; multimodal rope sections resized to the new head_dim."""
     kw: dict[str, Any] = dict(init_kwargs)
     kw.update(_generic(default))
     specs = getattr(cls, "sub_configs_defaults", {}) or {}
@@ -288,6 +291,7 @@ def _shrink(
 
 
 def _walk(config: PretrainedConfig) -> list[PretrainedConfig]:
+    """A config and all its sub-configs, depth first."""
     out = [config]
     for sub in _sub_configs(config).values():
         out.extend(_walk(sub))
@@ -321,6 +325,7 @@ def _fixed_rope(rope: dict[str, Any], head_dim: int) -> dict[str, Any]:
 
 
 def _token_fields(config: PretrainedConfig) -> dict[str, Any]:
+    """The special-token-id fields of one config level (bos/eos/pad, image/video/audio placeholders, ...)."""
     out = {}
     for name, value in _fields(config).items():
         if "vocab" in name:
@@ -351,6 +356,7 @@ def _fix_token_ids(config: PretrainedConfig, vocab: int) -> None:
 
 
 def _text_vocab(config: PretrainedConfig) -> int:
+    """Vocabulary size of the (decoder) text model."""
     text = config.get_text_config(decoder=True)
     return getattr(text, "vocab_size", None) or VOCAB
 
@@ -404,6 +410,7 @@ _COHERE_COMPASS_TEXT = {  # the default config has no rope parameters per layer 
 # model_type -> config kwargs (a sub-config key maps to that sub-config's kwargs), applied after the generic ones
 _OVERRIDES: dict[str, dict[str, Any]] = {
     "bamba": {"attn_layer_indices": [1], "mamba_chunk_size": 8},
+    "blip-2": {"image_token_index": VOCAB - 1},  # None by default: the query tokens have no placeholder id
     # use_cache: BltModel builds DynamicCache(config=BltConfig), which has no num_hidden_layers
     "blt": {"encoder_hash_byte_group_vocab": 64, "local_attention_window_len": 8, "use_cache": False},
     "chameleon": {"vocabulary_map": _image_vocabulary_map(16), "vq_config": {**_VQ, "num_embeddings": 16}},
@@ -462,6 +469,8 @@ _OVERRIDES: dict[str, dict[str, Any]] = {
     "hrm_text": {"num_hidden_layers": 1, "H_cycles": 2, "L_cycles": 1, "L_bp_cycles": [1]},  # layers x cycles
     "hunyuan_vl": {"text_config": {"rope_parameters": {**_MROPE, "mrope_section": [1, 1, 1, 1]}}},
     "inkling2": {"text_config": {"rel_extent": 16}},
+    "instructblip": {"image_token_index": VOCAB - 1},
+    "instructblipvideo": {"video_token_index": VOCAB - 1},
     "inkling2_text": {"rel_extent": 16},
     "inkling_mm_model": {
         # hierarchical-MLP patch encoder: widths grow with patch_size; >= 4 layers avoids a scipy assignment
@@ -549,29 +558,31 @@ _OVERRIDES: dict[str, dict[str, Any]] = {
     "zaya": {"num_experts_per_tok": 1},  # the only supported value
 }
 
-_TIMM = "vision tower is a timm model (TimmWrapperModel): needs the timm package, not shrinkable through the config"
+_TIMM = "vision tower is a timm model (TimmWrapperModel): needs the timm package, not shrinkable by config"
+_DRAFTER = "speculative-decoding drafter: forward takes the target model's shared KV states, no labels"
+_CODEBOOKS = "audio-codebook decoder: input_ids (batch * num_codebooks, seq), labels (batch, seq, num_codebooks)"
 EXCLUDED: dict[str, str] = {
+    "diffusion_gemma": "block-diffusion model (DiffusionGemmaForBlockDiffusion): no labels, no loss",
     "fast_vlm": _TIMM,
     "gemma3n": _TIMM,
+    "gemma4_assistant": _DRAFTER,
+    "gemma4_unified_assistant": _DRAFTER,
+    "musicgen": _CODEBOOKS,
+    "musicgen_melody": _CODEBOOKS,
     "perception_lm": _TIMM,
-    "pi0": "vision-language-action policy: forward needs the robot state and actions, flow-matching MSE loss, no labels",
-    "diffusion_gemma": "block-diffusion model (DiffusionGemmaForBlockDiffusion): no labels, no loss",
-    "gemma4_assistant": "speculative-decoding drafter: forward reads the target model's shared KV states, no labels",
-    "gemma4_unified_assistant": "speculative-decoding drafter: forward reads the target model's shared KV states, no labels",
-    "musicgen": "audio-codebook decoder: input_ids are (batch * num_codebooks, seq), labels (batch, seq, num_codebooks)",
-    "musicgen_melody": "audio-codebook decoder: input_ids are (batch * num_codebooks, seq), labels (batch, seq, num_codebooks)",
+    "pi0": "vision-language-action policy: forward needs the robot state and actions, flow-matching loss, no labels",
 }
 NO_GENERATE: dict[str, str] = {}
-_MM_TOKEN_TYPES = {"molmo2"}
 _PIXELS = "the forward raises without pixel_values (or image embeddings)"
 NEEDS_PIXELS: dict[str, str] = {
-    **dict.fromkeys(("blip", "blip-2", "idefics", "instructblip", "instructblipvideo", "kosmos-2"), _PIXELS),
-    **dict.fromkeys(
-        ("pix2struct", "pp_formulanet", "vision-encoder-decoder"), "encoder-decoder: the image is the encoder input"
-    ),
-    "udop": "document-layout model: the relative position bias needs token bounding boxes (bbox)",
-    "git": "the loss skips the image-token positions (image_patch_tokens), so labels only line up with an image",
+    **dict.fromkeys(("blip", "blip-2", "idefics", "kosmos-2"), _PIXELS),
+    **dict.fromkeys(("instructblip", "instructblipvideo"), "the forward needs pixel_values and qformer_input_ids"),
+    **dict.fromkeys(("pix2struct", "pp_formulanet", "vision-encoder-decoder"), "encoder-decoder over the image"),
+    "git": "the loss drops the first image_patch_tokens positions, so labels only line up with an image prefix",
+    "udop": "document-layout encoder-decoder: the relative position bias needs token bounding boxes (bbox)",
 }
+# types whose training forward needs each token's modality (all text here) next to the ids
+_MM_TOKEN_TYPES = {"molmo2"}
 
 # --------------------------------------------------------------------------------------------------------------------
 # Public helpers
@@ -579,7 +590,8 @@ NEEDS_PIXELS: dict[str, str] = {
 
 
 def model_class(model_type: str) -> type:
-    """The class that the causal-LM (else image-text-to-text) auto mapping names for `model_type`."""
+    """The class that the causal-LM mapping (else the image-text-to-text one) names for `model_type`, resolved like
+    the auto classes do: from the transformers namespace (e.g. internlm3 -> LlamaForCausalLM)."""
     name = _CLASS_NAMES[model_type]
     cls = getattr(transformers, name, None)
     if cls is None:
@@ -588,7 +600,8 @@ def model_class(model_type: str) -> type:
 
 
 def tiny_config(model_type: str) -> PretrainedConfig:
-    """A small config of `model_type`: default config shrunk generically, then the per-type fixes."""
+    """A tiny config of `model_type`: its default config shrunk generically, then `_OVERRIDES[model_type]`. For the
+    types whose causal-LM class takes the text sub-config (emu3, llama4, ...) this is still the composite config."""
     cls = CONFIG_MAPPING[model_type]
     config = _shrink(cls, cls(), {}, copy.deepcopy(_OVERRIDES.get(model_type, {})))
     _fix_token_ids(config, _text_vocab(config))
@@ -596,7 +609,8 @@ def tiny_config(model_type: str) -> PretrainedConfig:
 
 
 def build_tiny(model_type: str, seed: int = 0) -> torch.nn.Module:
-    """A tiny random model of `model_type` (eager attention where supported), in float32, deterministic per seed."""
+    """A tiny random model of `model_type` (eager attention where supported), in float32, deterministic per seed.
+    Like AutoModelForCausalLM.from_config, a class that takes a sub-config (emu3, llama4, ...) gets that one."""
     torch.manual_seed(seed)
     config = tiny_config(model_type)
     cls = model_class(model_type)
@@ -628,7 +642,8 @@ def special_token_ids(config: PretrainedConfig) -> set[int]:
 
 
 def text_batch(model: torch.nn.Module, generator: torch.Generator) -> dict[str, torch.Tensor]:
-    """A (2, 12) causal-LM batch: row 1 right-padded by 3, labels ignore the padding and a 4-token prompt of row 0."""
+    """A (2, 12) causal-LM batch of non-special token ids: row 1 right-padded by 3, labels -100 on the padding and on
+    a 4-token prompt of row 0. Types in `_MM_TOKEN_TYPES` also get all-zero (text) `mm_token_type_ids`."""
     vocab = _text_vocab(model.config)
     special = special_token_ids(model.config)
     allowed = torch.tensor([i for i in range(vocab) if i not in special])
