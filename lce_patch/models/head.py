@@ -178,7 +178,8 @@ def install_interceptor(head: torch.nn.Module, slot: JobSlot) -> None:
     """Route ``head``'s computation through ``slot`` (idempotent). Accelerate hooks keep working."""
     for leaf in head_leaves(head):
         if _INTERCEPTED_ATTR in leaf.__dict__:
-            leaf.__dict__[SLOT_ATTR] = slot
+            if leaf.__dict__.get(SLOT_ATTR) is not slot:  # no write on the hot path (it runs per call)
+                leaf.__dict__[SLOT_ATTR] = slot
             continue
         # accelerate's hooks (device_map / offload) call ``_old_forward`` after moving the weights.
         attr = "_old_forward" if "_old_forward" in leaf.__dict__ else "forward"
