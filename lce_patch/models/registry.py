@@ -4,9 +4,10 @@ Every entry is *derived*: the patched forward runs the model's own ``forward`` a
 what its LM head and its ``loss_function`` compute (``forward.py``), so an entry needs nothing but
 the head's logit transform (final-logit softcap, logit scale or divisor). That transform is read
 from the model: which of the known fields its ``forward`` applies to the logits, and how
-(``_transforms_in``), and their values on the model, its config or its text config. A type is *registered* when it is named
-in ``_REGISTERED`` below, i.e. when the test over every causal-LM type of the installed transformers
-(``tests/models/test_every_architecture.py``) proved it equal to the unpatched model. Explicit
+(``_transforms_in``), and their values on the model, its config or its text config. A type is
+*registered* when it is named in ``_REGISTERED`` below, i.e. when the test over every causal-LM
+type of the installed transformers (``tests/models/test_every_architecture.py``) proved it equal
+to the unpatched model. Explicit
 entries (``_OVERRIDES``) exist only where derivation is wrong; ``UNSUPPORTED`` says why each
 remaining type is refused. A model of any other type is patched with ``allow_unregistered=True``
 after a self-check of its loss and every gradient against its own forward (``patch.py``).
