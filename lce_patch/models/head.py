@@ -85,6 +85,13 @@ def _head_params(module: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor | 
     return weight, bias if isinstance(bias, torch.Tensor) else None
 
 
+def _forward_attr(module: torch.nn.Module) -> str:
+    """The attribute holding the computation to replace: accelerate's hooks (device_map / offload) keep
+    the real forward in ``_old_forward`` and call it after moving the weights, so that one, keeping
+    their pre-forward; else ``forward``."""
+    return "_old_forward" if "_old_forward" in module.__dict__ else "forward"
+
+
 def head_call(lm_head: torch.nn.Module, fn: Callable[..., Any], *args: Any) -> Any:
     """Run ``fn(weight, bias, *args)`` inside the call of the ``lm_head`` module.
 
@@ -105,9 +112,7 @@ def head_call(lm_head: torch.nn.Module, fn: Callable[..., Any], *args: Any) -> A
         weight, bias = _head_params(inner)
         return fn(weight, bias, *call_args)
 
-    # accelerate's hooks (device_map / offload) keep the real forward in ``_old_forward`` and call it
-    # after moving the weights: redirect that one so their pre-forward still runs.
-    attr = "_old_forward" if "_old_forward" in inner.__dict__ else "forward"
+    attr = _forward_attr(inner)
     had_own = attr in inner.__dict__
     previous = inner.__dict__.get(attr)
     setattr(inner, attr, redirected)
@@ -181,8 +186,7 @@ def install_interceptor(head: torch.nn.Module, slot: JobSlot) -> None:
             if leaf.__dict__.get(SLOT_ATTR) is not slot:  # no write on the hot path (it runs per call)
                 leaf.__dict__[SLOT_ATTR] = slot
             continue
-        # accelerate's hooks (device_map / offload) call ``_old_forward`` after moving the weights.
-        attr = "_old_forward" if "_old_forward" in leaf.__dict__ else "forward"
+        attr = _forward_attr(leaf)
         leaf.__dict__[_INTERCEPTED_ATTR] = (attr, leaf.__dict__.get(attr))
         leaf.__dict__[SLOT_ATTR] = slot
         leaf.__dict__[attr] = types.MethodType(_intercepting_forward, leaf)

@@ -36,6 +36,7 @@ def _unsupported(what: str) -> ValueError:
     )
 
 
+@functools.cache
 def _mapping_names() -> dict[str, tuple[str, ...]]:
     """model_type -> the causal-LM and image-text-to-text class names of transformers' auto mappings."""
     from transformers.models.auto import modeling_auto

@@ -12,7 +12,7 @@ import lce_patch
 from lce_patch.models import is_patched
 
 from .test_patching import _batch
-from .tiny import assert_close, assert_grads_match, tiny_model
+from .tiny import assert_trains_equal, tiny_model
 
 UNREGISTERED = {
     "olmo2": dict(num_attention_heads=4, num_key_value_heads=2, intermediate_size=64),
@@ -46,15 +46,7 @@ def test_unregistered_model_after_self_check(model_type, monkeypatch):
         lce_patch.apply_fused_lce(model)
     assert not is_patched(model)
     lce_patch.apply_fused_lce(model, allow_unregistered=True)
-    batch = _batch("ignored_labels", torch.Generator().manual_seed(30))
-    model.train()
-    reference.train()
-    out, ref = model(**batch), reference(**batch)
-    assert out.logits is None
-    assert_close(out.loss, ref.loss)
-    out.loss.backward()
-    ref.loss.backward()
-    assert_grads_match(model, reference)
+    assert_trains_equal(model, reference, _batch("ignored_labels", torch.Generator().manual_seed(30)))
 
 
 class _Passthrough(LlamaForCausalLM):
@@ -116,15 +108,7 @@ def test_subclass_changing_the_loss_after_the_forward_trains_equal():
     model = _subclass_instance(_ScaledLoss)
     reference = copy.deepcopy(model)
     lce_patch.apply_fused_lce(model, allow_unregistered=True)
-    batch = _batch("ignored_labels", torch.Generator().manual_seed(32))
-    model.train()
-    reference.train()
-    out, ref = model(**batch), reference(**batch)
-    assert out.logits is None
-    assert_close(out.loss, ref.loss)
-    out.loss.backward()
-    ref.loss.backward()
-    assert_grads_match(model, reference)
+    assert_trains_equal(model, reference, _batch("ignored_labels", torch.Generator().manual_seed(32)))
 
 
 @pytest.mark.parametrize(

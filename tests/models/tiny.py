@@ -89,3 +89,16 @@ def assert_grads_match(model, reference, rel=1e-5):
         assert_close(param.grad, ref.grad, rel, name, floor=floor)
         checked += 1
     assert checked > 0
+
+
+def assert_trains_equal(model, reference, batch, grad_rel=1e-5):
+    """One training forward and backward of both: no logits from the patched model, equal loss and gradients."""
+    reference.train()
+    model.train()
+    ref = reference(**batch)  # the reference first: hooks measuring a scale on its first call see it first
+    out = model(**batch)
+    assert out.logits is None
+    assert_close(out.loss, ref.loss, rel=1e-5, what="loss")
+    ref.loss.backward()
+    out.loss.backward()
+    assert_grads_match(model, reference, rel=grad_rel)
