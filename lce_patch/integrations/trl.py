@@ -62,9 +62,8 @@ _OUTPUT_FIELDS = (
     "label_mask",
     "aux_loss",
 )
-# Per-token outputs TRL can request, and those this module computes
+# Per-token outputs TRL can request (this module computes each of them)
 _TRL_OUTPUTS = frozenset({"log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1"})
-_SUPPORTED_OUTPUTS = frozenset({"log_probs", "entropy", "is_top1"})
 # Options of `apply_fused_lce` / `FusedLCECallback` that reach the op here; the rest configure the model patch
 _OP_OPTIONS = ("backend", "chunk_size")
 # Options that would change the loss TRL asked for: allowed only at their neutral value
@@ -234,12 +233,8 @@ def _read_protocol(fn: Callable[..., Any]) -> _Protocol:
     outputs = tuple(outputs)
     unknown_outputs = sorted(set(outputs) - _TRL_OUTPUTS)
     if unknown_outputs:
-        _fail(f"it requests per-token outputs {unknown_outputs}, unknown to this lce_patch")
-    unsupported = sorted(set(outputs) - _SUPPORTED_OUTPUTS)
-    if unsupported:
         _fail(
-            f"it requests per-token outputs {unsupported}, which lce_patch does not compute "
-            f"(supported: {sorted(_SUPPORTED_OUTPUTS)})"
+            f"it requests per-token outputs {unknown_outputs}, unknown to this lce_patch (known: {sorted(_TRL_OUTPUTS)})"
         )
     temperature = freevars["temperature"]
     if isinstance(temperature, bool) or not isinstance(temperature, int | float) or not temperature > 0:
@@ -308,8 +303,12 @@ def _make_forward(
             stacklevel=3,
         )
     op_kwargs = _op_kwargs(options)
-    want_entropy = "entropy" in protocol.outputs
-    want_top1 = "is_top1" in protocol.outputs
+    wanted = {
+        "return_entropy": "entropy" in protocol.outputs,
+        "return_is_top1": "is_top1" in protocol.outputs,
+        "return_mean_logits": "mean_logits" in protocol.outputs,
+        "return_log_sum_sq_probs": "log_sum_sq_probs" in protocol.outputs,
+    }
     text_config = protocol.text_config
     original_forward = protocol.original_forward
     output_class = protocol.output_class
@@ -339,8 +338,7 @@ def _make_forward(
                 softcap=softcap,
                 logit_scale=logit_scale,
                 temperature=temperature,
-                return_entropy=want_entropy,
-                return_is_top1=want_top1,
+                **wanted,
                 skip_ignored=skip_ignored and num_valid_tokens is None,
                 num_valid_tokens=num_valid_tokens,
                 precompute_grad=precompute_grad,
@@ -393,8 +391,8 @@ def _make_forward(
             loss=loss,
             log_probs=log_probs,
             entropy=per_token.entropy,
-            log_sum_sq_probs=None,
-            mean_logits=None,
+            log_sum_sq_probs=per_token.log_sum_sq_probs,
+            mean_logits=per_token.mean_logits,
             is_top1=per_token.is_top1,
             label_mask=mask,
             aux_loss=aux_loss,
@@ -509,7 +507,7 @@ def maybe_install_trl_head(
 
     Raises:
         TRLProtocolError: TRL installed a head whose protocol is not the one implemented here (an unknown TRL
-            version, or per-token outputs lce_patch does not compute, such as ``log_sum_sq_probs``).
+            version, or a per-token output this version does not know).
     """
     options = dict(options or {})
     installed = False

@@ -34,6 +34,7 @@ from tests.models.tiny import COMMON_CONFIG  # noqa: E402
 
 add_fused_lm_head = trl_utils.add_fused_lm_head
 SFT_OUTPUTS = ("log_probs", "entropy", "is_top1")
+ALL_OUTPUTS = ("log_probs", "entropy", "mean_logits", "is_top1", "log_sum_sq_probs")  # DPO with WPO weighting
 VOCAB = 64
 _COMMON = dict(
     COMMON_CONFIG, vocab_size=VOCAB, max_position_embeddings=128, pad_token_id=0, eos_token_id=1, bos_token_id=2
@@ -117,7 +118,16 @@ def run(model, **kwargs):
 
 
 def assert_same(a, b, ga, gb, atol=1e-5):
-    for name in ("loss", "log_probs", "entropy", "is_top1", "label_mask", "aux_loss"):
+    for name in (
+        "loss",
+        "log_probs",
+        "entropy",
+        "is_top1",
+        "label_mask",
+        "aux_loss",
+        "mean_logits",
+        "log_sum_sq_probs",
+    ):
         x, y = getattr(a, name), getattr(b, name)
         assert (x is None) == (y is None), name
         if x is None:
@@ -127,7 +137,6 @@ def assert_same(a, b, ga, gb, atol=1e-5):
             assert torch.equal(x, y), name
         else:
             torch.testing.assert_close(x, y, atol=atol, rtol=1e-5, msg=name)
-    assert a.log_sum_sq_probs is None and b.mean_logits is None
     assert ga.keys() == gb.keys() and ga
     for name in ga:
         torch.testing.assert_close(ga[name], gb[name], atol=atol, rtol=1e-4, msg=name)
@@ -165,8 +174,10 @@ def test_forward_matches_trl(kind, shifted):
         dict(outputs=("log_probs",)),
         dict(outputs=("log_probs", "is_top1"), temperature=1.3),
         dict(cast_lm_head_to_fp32=True),
+        dict(outputs=ALL_OUTPUTS, temperature=0.9),
+        dict(outputs=("log_probs", "mean_logits")),
     ],
-    ids=["temperature", "log_probs_only", "top1_temperature", "cast_fp32"],
+    ids=["temperature", "log_probs_only", "top1_temperature", "cast_fp32", "all_outputs", "mean_logits"],
 )
 def test_head_options_match_trl(head_kwargs):
     trl_model, our_model = trl_and_ours("gemma2", **head_kwargs)
@@ -262,12 +273,11 @@ def _version_and(what):
 @pytest.mark.parametrize(
     "outputs, what",
     [
-        (("log_probs", "log_sum_sq_probs"), "log_sum_sq_probs"),
-        (("log_probs", "mean_logits"), "mean_logits"),
         (("log_probs", "log_probs_squared"), "log_probs_squared.*unknown"),
+        (("log_probs", "entropy", "top5"), "top5.*unknown"),
     ],
 )
-def test_unsupported_or_unknown_outputs_raise(outputs, what):
+def test_unknown_outputs_raise(outputs, what):
     model = make_model()
     add_fused_lm_head(model, outputs=outputs)
     with pytest.raises(TRLProtocolError, match=_version_and(what)):
@@ -523,9 +533,9 @@ def test_sft_trainer_unrecognised_protocol_fails_loudly(tmp_path):
         processing_class=make_tokenizer(),
         callbacks=[_callback()],
     )
-    # e.g. a trainer asking for WPO's log(sum p^2), which lce_patch does not compute
-    add_fused_lm_head(trainer.model, outputs=("log_probs", "log_sum_sq_probs"))
-    with pytest.raises(TRLProtocolError, match=_version_and("log_sum_sq_probs")):
+    # e.g. a future TRL asking for a per-token output lce_patch does not know
+    add_fused_lm_head(trainer.model, outputs=("log_probs", "top5_probs"))
+    with pytest.raises(TRLProtocolError, match=_version_and("top5_probs")):
         trainer.train()
 
 

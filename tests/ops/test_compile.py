@@ -96,7 +96,8 @@ def _run_ops():
             fused_linear_cross_entropy(hidden, weight.detach(), labels, backend="triton", **options).backward()
         out = fused_linear_log_probs(
             hidden, weight, labels, backend="triton", return_entropy=True, return_is_top1=True, skip_ignored=True,
-            precompute_grad=True, softcap=options.get("softcap"),
+            precompute_grad=True, softcap=options.get("softcap"), return_mean_logits=True,
+            return_log_sum_sq_probs=True,
         )  # fmt: skip
         (out.log_probs.sum() + out.entropy.sum()).backward()
 
@@ -119,6 +120,7 @@ def test_every_launched_kernel_variant_compiles_for_sm90(monkeypatch):
     names = {variant["kernel"] for variant in payload}
     assert {"_stats_kernel", "_grad_kernel", "_target_logit_kernel", "_scale_inplace_kernel"} <= names
     assert any(kwargs.get("UNNORMALIZED_GRAD") for _, _, kwargs in launches)  # the one-pass variant too
+    assert any(kwargs.get("WANT_LOG_SUM_SQ") and kwargs.get("WRITE_GRAD") for _, _, kwargs in launches)
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     result = subprocess.run(
         [sys.executable, "-c", _COMPILE_SCRIPT], input=json.dumps(payload), env=env, capture_output=True, text=True

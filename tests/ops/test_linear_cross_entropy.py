@@ -11,7 +11,12 @@ import pytest
 import torch
 
 from lce_patch import fused_linear_cross_entropy, fused_linear_log_probs
-from lce_patch.ops.linear_cross_entropy import naive_linear_cross_entropy, naive_token_outputs
+from lce_patch.ops.linear_cross_entropy import (
+    naive_distribution_statistics,
+    naive_linear_cross_entropy,
+    naive_logits,
+    naive_token_outputs,
+)
 from lce_patch.ops.linear_cross_entropy.rows import _BLOCK_V_STATS as BLOCK
 from lce_patch.ops.linear_cross_entropy.rows import triton_usable
 
@@ -589,6 +594,72 @@ def test_token_outputs_and_their_gradients(backend, options):
     (out.log_probs * up_lp.float() + out.entropy * up_ent.float()).sum().backward()
     for got, want in zip((h, w, bb), ref_grads):
         assert rel_err(got.grad, want) < 1e-5
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize(
+    "options",
+    [
+        {},
+        {"softcap": 2.0, "temperature": 0.7},
+        {"logit_scale": 1.3, "temperature": 1.5, "skip_ignored": True},
+        {"softcap": 30.0, "logit_shift": -29.0},  # logits near -softcap: e^(2 (z - bound)) would underflow
+        {"logit_spread": 50.0},  # peaked distributions: sum p**2 near 1, log near 0
+    ],
+    ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()) or "plain",
+)
+def test_mean_logits_and_log_sum_sq_probs(backend, options):
+    # TRL's DPO/KTO metrics (logits/*) and WPO weights; no gradient, and they leave the others' untouched.
+    options = dict(options)
+    shift, spread = options.pop("logit_shift", 0.0), options.pop("logit_spread", 1.0)
+    skip_ignored = options.pop("skip_ignored", False)
+    hidden, weight, labels, b = make_inputs(bias=True, batch=2, n=11, v=3 * BLOCK // 2 if backend == "triton" else 101)
+    weight = weight * spread
+    b = b * 0.0 + shift
+    ref_inputs = [hidden.requires_grad_(), weight.requires_grad_()]
+    log_probs, entropy, _ = naive_token_outputs(hidden, weight, labels, bias=b, **options)
+    mean_logits, log_sum_sq = naive_distribution_statistics(hidden, weight, labels, bias=b, **options)
+    up_lp, up_ent = torch.randn_like(log_probs), torch.randn_like(entropy)
+    ref_grads = torch.autograd.grad((log_probs * up_lp + entropy * up_ent).sum(), ref_inputs)
+
+    h, w, bb = leaf(hidden, torch.float32), leaf(weight, torch.float32), leaf(b, torch.float32, False)
+    out = fused_linear_log_probs(
+        h, w, labels, bias=bb, return_entropy=True, return_mean_logits=True, return_log_sum_sq_probs=True,
+        backend=backend, chunk_size=4, skip_ignored=skip_ignored, **options,
+    )  # fmt: skip
+    assert out.is_top1 is None
+    # fp32 logits carry an absolute error of a few ulps of the largest logit; both statistics are sums of
+    # (differences of) logits, so their error is bounded by about that: 1e-6 of the largest |logit|, floored at 1e-5.
+    largest_logit = naive_logits(hidden, weight, b, logit_scale=options.get("logit_scale", 1.0)).abs().max().item()
+    atol = 1e-6 * max(10.0, largest_logit)
+    for got, want in ((out.mean_logits, mean_logits), (out.log_sum_sq_probs, log_sum_sq)):
+        assert got.shape == labels.shape and got.dtype == torch.float32 and not got.requires_grad
+        assert torch.isfinite(got).all()
+        assert (got[labels == -100] == 0).all()
+        assert (got - want).abs().max() < atol, (got, want)
+    assert (out.log_probs - log_probs).abs().max() < atol and (out.entropy - entropy).abs().max() < atol
+    (out.log_probs * up_lp.float() + out.entropy * up_ent.float()).sum().backward()
+    for got, want in zip((h, w), ref_grads):
+        assert rel_err(got.grad, want) < 1e-5 * spread
+
+
+def test_statistics_are_only_computed_when_asked():
+    hidden, weight, labels, _ = make_inputs()
+    out = fused_linear_log_probs(hidden.float(), weight.float(), labels, backend="torch")
+    assert out.mean_logits is None and out.log_sum_sq_probs is None and out.entropy is None
+    with pytest.raises(ValueError, match="return_mean_logits must be a bool"):
+        fused_linear_log_probs(hidden.float(), weight.float(), labels, return_mean_logits=1)
+
+
+def test_float64_statistics_stay_float64():
+    hidden, weight, labels, _ = make_inputs()
+    out = fused_linear_log_probs(
+        hidden, weight, labels, return_mean_logits=True, return_log_sum_sq_probs=True, backend="torch"
+    )
+    mean_logits, log_sum_sq = naive_distribution_statistics(hidden, weight, labels)
+    assert out.mean_logits.dtype == torch.float64 and out.log_sum_sq_probs.dtype == torch.float64
+    assert torch.allclose(out.mean_logits, mean_logits, rtol=0, atol=1e-12)
+    assert torch.allclose(out.log_sum_sq_probs, log_sum_sq, rtol=0, atol=1e-12)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

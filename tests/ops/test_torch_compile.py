@@ -90,23 +90,27 @@ def test_compiled_log_probs_and_entropy(backend, precompute_grad):
             temperature=0.8,
             return_entropy=not uniform,
             return_is_top1=True,
+            return_mean_logits=True,
+            return_log_sum_sq_probs=uniform,
             backend=backend,
             chunk_size=6,
             skip_ignored=True,
             precompute_grad=precompute_grad,
         )
+        statistics = (out.is_top1, out.mean_logits, out.log_sum_sq_probs)
         if uniform:  # an NLL mean: the precomputed gradient applies
-            return -out.log_probs.sum() / out.label_mask.sum(), out.is_top1
-        return -(out.log_probs * weights).sum() + 0.1 * out.entropy.sum(), out.is_top1
+            return -out.log_probs.sum() / out.label_mask.sum(), statistics
+        return -(out.log_probs * weights).sum() + 0.1 * out.entropy.sum(), statistics
 
     for uniform in (True, False):
         compiled = torch.compile(step, fullgraph=True)
         runs = []
         for fn in (step, compiled):
             h, w = _leaves(hidden, weight)
-            loss, is_top1 = fn(h, w, uniform)
+            loss, statistics = fn(h, w, uniform)
             loss.backward()
-            runs.append((loss.detach(), is_top1, h.grad, w.grad))
+            assert (statistics[2] is not None) == uniform
+            runs.append((loss.detach(), *statistics, h.grad, w.grad))
         for eager, compiled_value in zip(*runs):
             torch.testing.assert_close(compiled_value, eager, rtol=1e-6, atol=1e-7)
 

@@ -7,14 +7,16 @@ from .functional import (
     fused_linear_log_probs,
     start_valid_token_count,
 )
-from .naive import naive_linear_cross_entropy, naive_token_outputs
+from .naive import naive_distribution_statistics, naive_linear_cross_entropy, naive_logits, naive_token_outputs
 
 __all__ = [
     "FusedLinearCrossEntropy",
     "TokenOutputs",
     "fused_linear_cross_entropy",
     "fused_linear_log_probs",
+    "naive_distribution_statistics",
     "naive_linear_cross_entropy",
+    "naive_logits",
     "naive_token_outputs",
     "start_valid_token_count",
 ]

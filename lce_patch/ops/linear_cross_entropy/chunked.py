@@ -363,7 +363,7 @@ class ChunkedOptions:
 
     reduction: "mean" (over valid labels), "sum", "items" (sum / num_items_in_batch) for a scalar loss,
     or None for per-token outputs. needs_grad: whether (hidden, weight, bias) get gradients. want:
-    whether to compute (entropy, is_top1, mean_logit). chunk_size: rows per chunk, None for the default.
+    whether to compute (entropy, is_top1, mean_logit, log_sum_sq). chunk_size: rows per chunk, None for the default.
     skip_ignored / num_valid_tokens: process the valid rows only (see :func:`checks.selected_rows`).
     """
 
@@ -371,7 +371,7 @@ class ChunkedOptions:
     reduction: str | None
     use_triton: bool
     needs_grad: tuple[bool, bool, bool]
-    want: tuple[bool, bool, bool] = (False, False, False)
+    want: tuple[bool, bool, bool, bool] = (False, False, False, False)
     chunk_size: int | None = None
     skip_ignored: bool = False
     num_valid_tokens: int | None = None
@@ -381,8 +381,8 @@ class ChunkedOptions:
 class ForwardOutputs(NamedTuple):
     """What :func:`chunked_forward` computes.
 
-    loss: 0-d for a scalar loss, else [N] (0 where ignored); entropy, is_top1 (bool), mean_logit: [N]
-    or None when not wanted. For the backward: ``row_index`` (the processed rows, None for all), their
+    loss: 0-d for a scalar loss, else [N] (0 where ignored); entropy, is_top1 (bool), mean_logit,
+    log_sum_sq: [N] (0 / False where ignored) or None when not wanted. For the backward: ``row_index`` (the processed rows, None for all), their
     ``row_labels`` [M], ``lse`` [M] and ``processed_entropy`` [M] (None without entropy); ``grads``
     (dh, dw, db, each None when not needed) when the gradient was computed in the forward, and
     ``grad_scale`` (the factor precomputed gradients carry, per-token outputs only); ``chunk_rows``.
@@ -392,6 +392,7 @@ class ForwardOutputs(NamedTuple):
     entropy: torch.Tensor | None
     is_top1: torch.Tensor | None
     mean_logit: torch.Tensor | None
+    log_sum_sq: torch.Tensor | None
     lse: torch.Tensor
     processed_entropy: torch.Tensor | None
     row_index: torch.Tensor | None
@@ -449,7 +450,7 @@ def _chunked_forward(hidden, weight, bias, labels, num_items, options: ChunkedOp
     num_rows = total_rows if row_index is None else row_index.shape[0]
     row_labels = labels if row_index is None else labels.index_select(0, row_index)
     device = hidden.device
-    want_entropy, want_top1, want_mean_logit = options.want
+    want_entropy, want_top1, want_mean_logit, want_log_sum_sq = options.want
     needs_hidden, needs_weight, needs_bias = options.needs_grad
     any_grad = needs_hidden or needs_weight or needs_bias
     chunk_rows = resolve_chunk_rows(options.chunk_size, num_rows, hidden, weight, use_triton, any_grad)
@@ -471,6 +472,7 @@ def _chunked_forward(hidden, weight, bias, labels, num_items, options: ChunkedOp
         entropy=stat_rows() if want_entropy else None,
         is_top1=torch.empty(num_rows, dtype=torch.int8, device=device) if want_top1 else None,
         mean_logit=stat_rows() if want_mean_logit else None,
+        log_sum_sq=stat_rows() if want_log_sum_sq else None,
     )
     grads = (
         _GradAccumulator(hidden, weight, bias, needs_hidden, needs_weight, needs_bias, row_index)
@@ -485,10 +487,11 @@ def _chunked_forward(hidden, weight, bias, labels, num_items, options: ChunkedOp
     buffer = torch.empty(min(chunk_rows, max(num_rows, 1)), vocab_size, dtype=hidden.dtype, device=device)
     gathered = _gather_buffer(hidden, row_index, buffer.shape[0], grads)
     # The one-pass gradient (rows to be scaled by row_factor) where the kernel has it (softcap)
-    # and only dh is computed (a frozen W, as under LoRA).
+    # and only dh is computed (a frozen W, as under LoRA); log_sum_sq needs the two-pass kernel.
     row_factor = None
     if (
-        grads is not None
+        not want_log_sum_sq
+        and grads is not None
         and grads.takes_row_factor
         and unnormalized_grad_applies(transform, hidden.dtype, use_triton)
         and fp32_output_gemm_available(device)
@@ -527,6 +530,7 @@ def _chunked_forward(hidden, weight, bias, labels, num_items, options: ChunkedOp
         entropy=out.entropy,
         is_top1=out.is_top1.bool() if want_top1 else None,
         mean_logit=out.mean_logit,
+        log_sum_sq=out.log_sum_sq,
         lse=processed.lse,
         processed_entropy=processed.entropy,
         row_index=row_index,
@@ -611,7 +615,8 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
     Inputs: hidden [N, D], weight [V, D], bias [V] or None (all one float dtype, any strides), labels
     [N] integer, num_items (0-d tensor for ``reduction="items"``, else None), ``ChunkedOptions``.
     Outputs: loss (0-d, or [N]), entropy [N] (or empty), is_top1 [N] bool (or empty), mean_logit [N]
-    (or empty); fp32, or fp64 for fp64 inputs.
+    (or empty), log_sum_sq [N] (or empty); fp32, or fp64 for fp64 inputs. mean_logit and log_sum_sq
+    carry no gradient.
     """
 
     @staticmethod
@@ -625,15 +630,18 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         ctx.use_triton = options.use_triton
         scalar_loss = ctx.scalar_loss = options.reduction is not None
         ctx.backward_done = False
-        empty = result.loss.new_empty(0)
-        entropy = result.entropy if result.entropy is not None else empty
-        is_top1 = result.is_top1 if result.is_top1 is not None else empty.bool()
-        mean_logit = result.mean_logit if result.mean_logit is not None else empty
-        ctx.mark_non_differentiable(is_top1, mean_logit)
+
+        def given(value: torch.Tensor | None, dtype: torch.dtype = result.loss.dtype) -> torch.Tensor:
+            return value if value is not None else result.loss.new_empty(0, dtype=dtype)  # one tensor per output
+
+        entropy, is_top1 = given(result.entropy), given(result.is_top1, torch.bool)
+        mean_logit, log_sum_sq = given(result.mean_logit), given(result.log_sum_sq)
+        ctx.mark_non_differentiable(is_top1, mean_logit, log_sum_sq)
+        outputs = (result.loss, entropy, is_top1, mean_logit, log_sum_sq)
         if scalar_loss:
             ctx.mark_non_differentiable(entropy)
             ctx.save_for_backward(*(result.grads or (None, None, None)))
-            return result.loss, entropy, is_top1, mean_logit
+            return outputs
         if any(options.needs_grad):
             precomputed = (None, None, None, None)
             if result.grad_scale is not None:
@@ -644,10 +652,10 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             )
             ctx.has_entropy = result.processed_entropy is not None
             ctx.precomputed = result.grad_scale is not None
-        return result.loss, entropy, is_top1, mean_logit
+        return outputs
 
     @staticmethod
-    def backward(ctx, grad_loss, grad_entropy, _grad_top1, _grad_mean_logit):
+    def backward(ctx, grad_loss, grad_entropy, _grad_top1, _grad_mean_logit, _grad_log_sum_sq):
         _refuse_double_backward()
         if ctx.scalar_loss:
             return LinearCrossEntropyFunction._scalar_backward(ctx, grad_loss)

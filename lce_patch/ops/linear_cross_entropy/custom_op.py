@@ -72,9 +72,11 @@ def _forward_op(
     num_valid_tokens: int | None,
     precompute_grad: bool,
 ) -> tuple[
-    torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor
-]:
-    """Returns (loss, entropy, is_top1, lse, dh, dw, db, grad_scale); empty tensors for what is not computed.
+    torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+    torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+]:  # fmt: skip
+    """Returns (loss, entropy, is_top1, mean_logit, log_sum_sq, lse, dh, dw, db, grad_scale); empty tensors for
+    what is not computed.
 
     lse is [N] for per-token outputs with gradients (0 where not processed), else empty.
     """
@@ -94,6 +96,8 @@ def _forward_op(
         result.loss,
         result.entropy if result.entropy is not None else empty(),
         result.is_top1 if result.is_top1 is not None else empty(torch.bool),
+        result.mean_logit if result.mean_logit is not None else empty(),
+        result.log_sum_sq if result.log_sum_sq is not None else empty(),
         lse,
         dh if dh is not None else empty(hidden.dtype),
         dw if dw is not None else empty(weight.dtype),
@@ -118,6 +122,8 @@ def _(
         stats(()) if scalar else stats(rows),
         stats(rows if want[0] else 0),
         stats(rows if want[1] else 0, torch.bool),
+        stats(rows if want[2] else 0),
+        stats(rows if want[3] else 0),
         stats(rows if not scalar and any(needs_grad) else 0),
         hidden.new_empty(hidden.shape if grads_in_forward and needs_grad[0] else 0),
         hidden.new_empty(weight.shape if grads_in_forward and needs_grad[1] else 0, dtype=weight.dtype),
@@ -129,9 +135,9 @@ def _(
 def _setup_context(ctx, inputs, output) -> None:
     hidden, weight, bias, labels, _num_items, *option_values = inputs
     ctx.options = dict(zip(_OPTION_NAMES, option_values))
-    loss, entropy, is_top1, lse, dh, dw, db, grad_scale = output
+    loss, entropy, is_top1, mean_logit, log_sum_sq, lse, dh, dw, db, grad_scale = output
     ctx.set_materialize_grads(False)
-    ctx.mark_non_differentiable(is_top1, lse, dh, dw, db, grad_scale)
+    ctx.mark_non_differentiable(is_top1, mean_logit, log_sum_sq, lse, dh, dw, db, grad_scale)
     ctx.scalar = bool(ctx.options["reduction"])
     if ctx.scalar:
         ctx.mark_non_differentiable(entropy)
@@ -278,16 +284,17 @@ def compiled_linear_cross_entropy(
     reduction: str | None,
     use_triton: bool,
     needs_grad: tuple[bool, bool, bool],
-    want: tuple[bool, bool, bool],
+    want: tuple[bool, bool, bool, bool],
     chunk_size: int | None,
     skip_ignored: bool,
     num_valid_tokens: int | None,
     precompute_grad: bool,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """(loss, entropy or None, is_top1 or None) through the custom operator; the arguments are the
+) -> tuple[torch.Tensor, ...]:
+    """(loss, entropy, is_top1, mean_logit, log_sum_sq), each None when not wanted, through the custom
+    operator; the arguments are the
     fields of :class:`chunked.ChunkedOptions` and its transform, as plain values (nothing for
     dynamo to construct)."""
-    loss, entropy, is_top1, *_ = _forward_op(
+    loss, *wanted = _forward_op(
         hidden,
         weight,
         bias,
@@ -308,4 +315,4 @@ def compiled_linear_cross_entropy(
         num_valid_tokens,
         precompute_grad,
     )
-    return loss, entropy if want[0] else None, is_top1 if want[1] else None
+    return loss, *(value if asked else None for value, asked in zip(wanted[:4], want, strict=True))

@@ -24,12 +24,16 @@ class TokenOutputs(NamedTuple):
     entropy: fp32 entropy of the token's distribution (differentiable), 0 where ignored; or None.
     is_top1: bool, whether the target is the argmax (first index on ties); False where ignored; or None.
     label_mask: bool, True where the label is not ``ignore_index``.
+    mean_logits: fp32 mean over the vocabulary of the final logits (no gradient), 0 where ignored; or None.
+    log_sum_sq_probs: fp32 ``log(sum_v p_v**2)`` (no gradient), 0 where ignored; or None.
     """
 
     log_probs: torch.Tensor
     entropy: torch.Tensor | None
     is_top1: torch.Tensor | None
     label_mask: torch.Tensor
+    mean_logits: torch.Tensor | None = None
+    log_sum_sq_probs: torch.Tensor | None = None
 
 
 def resolve_backend(backend: str, device: torch.device, dtype: torch.dtype = torch.float32) -> bool:
@@ -216,7 +220,7 @@ def _run(
         z_loss=float(z_loss),
     )
     if torch.compiler.is_compiling():
-        loss, entropy, is_top1 = compiled_linear_cross_entropy(
+        outputs = compiled_linear_cross_entropy(
             hidden_2d,
             weight,
             bias,
@@ -238,18 +242,18 @@ def _run(
             reduction=reduction,
             use_triton=use_triton,
             needs_grad=needs_grad,
-            want=(*want[:2], False),
+            want=want,
             chunk_size=chunk_size,
             skip_ignored=skip_ignored,
             num_valid_tokens=num_valid_tokens,
             precompute_grad=precompute_grad,
         )
-        loss, entropy, is_top1, _ = LinearCrossEntropyFunction.apply(
-            hidden_2d, weight, bias, labels, num_items, options
-        )
+        outputs = LinearCrossEntropyFunction.apply(hidden_2d, weight, bias, labels, num_items, options)
+    loss, *per_token = outputs
     if reduction is None:
         loss = loss.view(out_shape)
-    return loss, entropy, is_top1, (labels != ignore_index).view(out_shape)
+    per_token = [value.view(out_shape) if asked else None for value, asked in zip(per_token, want, strict=True)]
+    return loss, *per_token, (labels != ignore_index).view(out_shape)
 
 
 def fused_linear_cross_entropy(
@@ -316,7 +320,7 @@ def fused_linear_cross_entropy(
         kind = "items"
     else:
         kind = {"mean": "mean", "sum": "sum", "none": None}[reduction]
-    loss, _, _, _ = _run(
+    loss, *_ = _run(
         hidden,
         weight,
         labels,
@@ -332,7 +336,7 @@ def fused_linear_cross_entropy(
         z_loss=z_loss,
         backend=backend,
         chunk_size=chunk_size,
-        want=(False, False, False),
+        want=(False, False, False, False),
         skip_ignored=skip_ignored,
         num_valid_tokens=num_valid_tokens,
     )
@@ -352,18 +356,24 @@ def fused_linear_log_probs(
     shift: bool = False,
     return_entropy: bool = False,
     return_is_top1: bool = False,
+    return_mean_logits: bool = False,
+    return_log_sum_sq_probs: bool = False,
     backend: str = "auto",
     chunk_size: int | None = None,
     skip_ignored: bool = False,
     num_valid_tokens: int | None = None,
     precompute_grad: bool = False,
 ) -> TokenOutputs:
-    """Per-token target log-probabilities (and optionally entropy, argmax match) without the logits.
+    """Per-token target log-probabilities (and optionally entropy, argmax match, the mean logit and
+    ``log(sum p**2)``) without the logits, all from the same pass over each chunk's logits.
 
     Logits are ``softcap * tanh(logit_scale * (h W^T + b) / softcap) / temperature``. ``log_probs`` and
     ``entropy`` carry gradients for any upstream gradient (the backward recomputes each chunk's
     logits: 8*N*V*D FLOPs in all); use :func:`fused_linear_cross_entropy` for a scalar loss, which
     computes its gradient during the forward (6*N*V*D).
+
+    ``mean_logits`` (the mean over the vocabulary of the final logits) and ``log_sum_sq_probs`` (TRL's WPO
+    weights) carry no gradient. Each extra output adds a few operations per logit to the one pass, not a pass.
 
     ``skip_ignored`` / ``num_valid_tokens``: as in :func:`fused_linear_cross_entropy`.
 
@@ -375,7 +385,14 @@ def fused_linear_log_probs(
 
     Shapes: hidden [N, D] or [B, T, D]; labels [N] or [B, T]; every output is shaped like labels.
     """
-    loss, entropy, is_top1, label_mask = _run(
+    for name, flag in (
+        ("return_entropy", return_entropy),
+        ("return_is_top1", return_is_top1),
+        ("return_mean_logits", return_mean_logits),
+        ("return_log_sum_sq_probs", return_log_sum_sq_probs),
+    ):
+        _check_flag(name, flag)
+    loss, entropy, is_top1, mean_logits, log_sum_sq_probs, label_mask = _run(
         hidden,
         weight,
         labels,
@@ -391,17 +408,18 @@ def fused_linear_log_probs(
         z_loss=0.0,
         backend=backend,
         chunk_size=chunk_size,
-        want=(return_entropy, return_is_top1, False),
+        want=(return_entropy, return_is_top1, return_mean_logits, return_log_sum_sq_probs),
         skip_ignored=skip_ignored,
         num_valid_tokens=num_valid_tokens,
         precompute_grad=precompute_grad,
     )
-    shape = label_mask.shape
     return TokenOutputs(
         log_probs=-loss,
-        entropy=entropy.view(shape) if return_entropy else None,
-        is_top1=is_top1.view(shape) if return_is_top1 else None,
+        entropy=entropy,
+        is_top1=is_top1,
         label_mask=label_mask,
+        mean_logits=mean_logits,
+        log_sum_sq_probs=log_sum_sq_probs,
     )
 
 

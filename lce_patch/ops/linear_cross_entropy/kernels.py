@@ -19,7 +19,7 @@ and its gradient with respect to ``raw`` is::
 ``_stats_kernel`` (one program per row) makes two passes over the row's V logits. The first is an
 online log-sum-exp in fp32, kept per lane and merged once at the end: a running max ``m`` and a
 sum ``s`` of ``exp(z - m)``, rescaled when the max grows, plus the target logit, the sum of the logits (label smoothing, mean logit), the
-sum of ``p * z`` (entropy) and the max over positions before the target (argmax check with the
+sum of ``p * z`` (entropy), the sum of ``exp(2 (z - m))`` (``log sum p**2``, for WPO weights) and the max over positions before the target (argmax check with the
 first-index tie rule of ``torch.argmax``). The target logit is read once per row, by a load masked
 off for an ignored or out-of-range label, so the loops compare no column with the label. Full
 blocks of the row run without masks; only the last, partial block is masked.
@@ -123,11 +123,13 @@ def _stats_block(
     lane_sum_z,
     lane_z,
     lane_before_target,
+    lane_sum_sq,
     HAS_SOFTCAP: tl.constexpr,
     HAS_SUM_Z: tl.constexpr,
     FIXED_MAX: tl.constexpr,
     WANT_ENTROPY: tl.constexpr,
     WANT_TOP1: tl.constexpr,
+    WANT_LOG_SUM_SQ: tl.constexpr,
     STORE_UNNORMALIZED: tl.constexpr,
     MASKED: tl.constexpr,
 ):
@@ -167,6 +169,8 @@ def _stats_block(
         lane_sum = lane_sum * rescale + tl.sum(e, 1)
         if WANT_ENTROPY:
             lane_sum_z = lane_sum_z * rescale + tl.sum(e * z_or_0, 1)
+        if WANT_LOG_SUM_SQ:  # sum of exp(2 (z - max)): the largest term is 1, so it cannot underflow
+            lane_sum_sq = lane_sum_sq * (rescale * rescale) + tl.sum(e * e, 1)
         lane_max = new_max
     if HAS_SUM_Z:
         lane_z += tl.sum(z_or_0, 1)
@@ -174,7 +178,7 @@ def _stats_block(
         lane_before_target = _max_keep_nan(
             lane_before_target, tl.reduce(tl.where(cols < label, z, float("-inf")), 1, _max_keep_nan)
         )
-    return lane_max, lane_sum, lane_sum_z, lane_z, lane_before_target
+    return lane_max, lane_sum, lane_sum_z, lane_z, lane_before_target, lane_sum_sq
 
 
 @triton.jit
@@ -219,6 +223,7 @@ def _stats_kernel(
     entropy_ptr,
     is_top1_ptr,
     mean_logit_ptr,
+    log_sum_sq_ptr,
     grad_scale_ptr,
     target_raw_ptr,
     row_factor_ptr,
@@ -238,6 +243,7 @@ def _stats_kernel(
     WANT_ENTROPY: tl.constexpr,
     WANT_TOP1: tl.constexpr,
     WANT_MEAN_LOGIT: tl.constexpr,
+    WANT_LOG_SUM_SQ: tl.constexpr,
     WRITE_GRAD: tl.constexpr,
     UNNORMALIZED_GRAD: tl.constexpr,
     BLOCK_V: tl.constexpr,
@@ -278,18 +284,21 @@ def _stats_kernel(
     lane_sum_z = tl.zeros([lanes], tl.float32)
     lane_z = tl.zeros([lanes], tl.float32)
     lane_before_target = tl.full([lanes], float("-inf"), tl.float32)
+    lane_sum_sq = tl.zeros([lanes], tl.float32)
     full_end = vocab_size // BLOCK_V * BLOCK_V
     for start in range(0, full_end, BLOCK_V):
-        lane_max, lane_sum, lane_sum_z, lane_z, lane_before_target = _stats_block(
+        lane_max, lane_sum, lane_sum_z, lane_z, lane_before_target, lane_sum_sq = _stats_block(
             row_ptr, start + lane_cols, label, vocab_size, logit_scale, softcap, inv_temperature,
-            fixed_max, lane_max, lane_sum, lane_sum_z, lane_z, lane_before_target, HAS_SOFTCAP,
-            HAS_SMOOTHING or WANT_MEAN_LOGIT, FIXED_MAX, WANT_ENTROPY, WANT_TOP1, UNNORMALIZED_GRAD, False,
+            fixed_max, lane_max, lane_sum, lane_sum_z, lane_z, lane_before_target, lane_sum_sq, HAS_SOFTCAP,
+            HAS_SMOOTHING or WANT_MEAN_LOGIT, FIXED_MAX, WANT_ENTROPY, WANT_TOP1, WANT_LOG_SUM_SQ,
+            UNNORMALIZED_GRAD, False,
         )  # fmt: skip
     if full_end < vocab_size:
-        lane_max, lane_sum, lane_sum_z, lane_z, lane_before_target = _stats_block(
+        lane_max, lane_sum, lane_sum_z, lane_z, lane_before_target, lane_sum_sq = _stats_block(
             row_ptr, full_end + lane_cols, label, vocab_size, logit_scale, softcap, inv_temperature,
-            fixed_max, lane_max, lane_sum, lane_sum_z, lane_z, lane_before_target, HAS_SOFTCAP,
-            HAS_SMOOTHING or WANT_MEAN_LOGIT, FIXED_MAX, WANT_ENTROPY, WANT_TOP1, UNNORMALIZED_GRAD, True,
+            fixed_max, lane_max, lane_sum, lane_sum_z, lane_z, lane_before_target, lane_sum_sq, HAS_SOFTCAP,
+            HAS_SMOOTHING or WANT_MEAN_LOGIT, FIXED_MAX, WANT_ENTROPY, WANT_TOP1, WANT_LOG_SUM_SQ,
+            UNNORMALIZED_GRAD, True,
         )  # fmt: skip
 
     running_max = tl.max(lane_max, 0)  # the row's max logit (argmax check)
@@ -302,6 +311,8 @@ def _stats_kernel(
         lane_weight = tl.where(lane_max == float("-inf"), 0.0, tl.exp(lane_max - running_max))
         sum_exp = tl.sum(lane_sum * lane_weight, 0)
         sum_exp_z = tl.sum(lane_sum_z * lane_weight, 0)
+        if WANT_LOG_SUM_SQ:  # (the launcher never combines it with FIXED_MAX)
+            sum_exp_sq = tl.sum(lane_sum_sq * (lane_weight * lane_weight), 0)
     sum_z = tl.sum(lane_z, 0)
     max_before_target = tl.max(lane_before_target, 0)
 
@@ -330,6 +341,8 @@ def _stats_kernel(
         tl.store(is_top1_ptr + row, top1.to(tl.int8))
     if WANT_MEAN_LOGIT:
         tl.store(mean_logit_ptr + row, tl.where(valid, sum_z / vocab_size, 0.0))
+    if WANT_LOG_SUM_SQ:  # log(sum p**2) = log(sum exp(2 (z - max))) - 2 log(sum exp(z - max))
+        tl.store(log_sum_sq_ptr + row, tl.where(valid, tl.log(sum_exp_sq) - 2.0 * tl.log(sum_exp), 0.0))
 
     if WRITE_GRAD:
         valid_scale = tl.where(valid, tl.load(grad_scale_ptr), 0.0)

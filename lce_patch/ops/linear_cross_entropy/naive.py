@@ -85,3 +85,23 @@ def naive_token_outputs(
     entropy = torch.where(valid, -(log_p.exp() * log_p).sum(-1), 0.0)
     is_top1 = (logits.argmax(-1) == labels) & valid
     return log_probs, entropy, is_top1
+
+
+def naive_distribution_statistics(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+    ignore_index: int = -100,
+    softcap: float | None = None,
+    logit_scale: float = 1.0,
+    temperature: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference (mean_logits, log_sum_sq_probs): the mean final logit and log(sum_v p_v**2), 0 where ignored."""
+    logits = naive_logits(hidden, weight, bias, softcap=softcap, logit_scale=logit_scale, temperature=temperature)
+    log_p = torch.log_softmax(logits, dim=-1)
+    valid = labels != ignore_index
+    mean_logits = torch.where(valid, logits.mean(-1), 0.0)
+    log_sum_sq_probs = torch.where(valid, torch.logsumexp(2.0 * log_p, dim=-1), 0.0)
+    return mean_logits, log_sum_sq_probs

@@ -67,6 +67,7 @@ class RowOutputs:
     entropy: torch.Tensor | None = None
     is_top1: torch.Tensor | None = None  # int8
     mean_logit: torch.Tensor | None = None
+    log_sum_sq: torch.Tensor | None = None  # log(sum_v p_v**2)
 
 
 def triton_usable(device: torch.device) -> bool:
@@ -139,6 +140,8 @@ def _torch_chunk_stats(
         out.is_top1.copy_((z.argmax(dim=1) == labels) & valid)
     if out.mean_logit is not None:
         out.mean_logit.copy_(torch.where(valid, mean_z, 0.0))
+    if out.log_sum_sq is not None:  # log(sum p**2) = logsumexp(2z) - 2 lse, both of the buffer's logits
+        out.log_sum_sq.copy_(torch.where(valid, torch.logsumexp(2.0 * z, dim=1) - 2.0 * lse, 0.0))
     if grad_scale is not None:
         grad = torch.exp(z - lse.unsqueeze(1))
         if transform.z_loss:
@@ -221,11 +224,16 @@ def _triton_chunk_stats(
 ) -> None:
     rows, vocab_size = raw.shape
     placeholder = out.loss
+    want_log_sum_sq = out.log_sum_sq is not None
     fixed_max = _fixed_max(transform)
-    use_fixed_max = fixed_max is not None
+    # The sum of squared exponentials against the bound could underflow (e^(2 (z - bound)) for logits far below
+    # it): with log_sum_sq the kernel keeps its running max, which the one-pass gradient cannot do without.
+    use_fixed_max = fixed_max is not None and not want_log_sum_sq
     unnormalized = row_factor is not None
     if unnormalized and not (grad_scale is not None and unnormalized_grad_applies(transform, raw.dtype, True)):
         raise ValueError("chunk_stats: row_factor needs grad_scale and a case unnormalized_grad_applies to")
+    if unnormalized and want_log_sum_sq:
+        raise ValueError("chunk_stats: row_factor cannot be combined with log_sum_sq")
     block_v = min(_BLOCK_V_STATS, _next_power_of_2(vocab_size))
     lane_group = 1 if use_fixed_max and grad_scale is not None else min(_LANE_GROUP, block_v)
     _kernels._stats_kernel[(rows,)](
@@ -237,6 +245,7 @@ def _triton_chunk_stats(
         out.entropy if out.entropy is not None else placeholder,
         out.is_top1 if out.is_top1 is not None else placeholder,
         out.mean_logit if out.mean_logit is not None else placeholder,
+        out.log_sum_sq if want_log_sum_sq else placeholder,
         grad_scale if grad_scale is not None else placeholder,
         target_raw if target_raw is not None else placeholder,
         row_factor if unnormalized else placeholder,
@@ -247,6 +256,7 @@ def _triton_chunk_stats(
         WANT_ENTROPY=out.entropy is not None,
         WANT_TOP1=out.is_top1 is not None,
         WANT_MEAN_LOGIT=out.mean_logit is not None,
+        WANT_LOG_SUM_SQ=want_log_sum_sq,
         WRITE_GRAD=grad_scale is not None,
         UNNORMALIZED_GRAD=unnormalized,
         BLOCK_V=block_v,
