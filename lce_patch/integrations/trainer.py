@@ -10,10 +10,11 @@ unless ``return_logits_in_eval=True`` (needed with ``compute_metrics``).
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
-from transformers import PreTrainedModel, TrainerCallback
+from transformers import PreTrainedModel, Trainer, TrainerCallback
 
 from ..models import LCEOptions, apply_fused_lce, unwrap_causal_lm
 
@@ -23,6 +24,24 @@ def _liger_fuses_the_loss(args: Any) -> bool:
         return False
     config = getattr(args, "liger_kernel_config", None) or {}
     return bool(config.get("fused_linear_cross_entropy", True))
+
+
+def _running_trainer(callback: TrainerCallback) -> Trainer | None:
+    """The Trainer whose callback handler is running an event of ``callback``, found on the call stack.
+
+    Callbacks are given the model, not the trainer; TRL trainers keep their reference model on the
+    trainer (``trainer.ref_model``), and it needs its fused head served too.
+    """
+    frame = inspect.currentframe()
+    try:
+        while frame is not None:
+            owner = frame.f_locals.get("self")
+            if isinstance(owner, Trainer) and callback in getattr(owner.callback_handler, "callbacks", ()):
+                return owner
+            frame = frame.f_back
+        return None
+    finally:
+        del frame
 
 
 class FusedLCECallback(TrainerCallback):
@@ -58,12 +77,16 @@ class FusedLCECallback(TrainerCallback):
         if "_lce_patch_options" not in vars(unwrap_causal_lm(model)):  # an instance patch, not only a class one
             apply_fused_lce(model, **self.options)
 
-    def install_trainer_heads(self, model: torch.nn.Module | None, args: Any = None) -> bool:
-        """Hook for trainers that install their own LM head after ``__init__`` (TRL >= 1.15 SFTTrainer).
+    def install_trainer_heads(
+        self, model: torch.nn.Module | None, args: Any = None, trainer: Trainer | None = None
+    ) -> bool:
+        """Hook for trainers that install their own LM head after ``__init__`` (TRL >= 1.15: SFT, DPO,
+        KTO, GRPO, RLOO and the async GRPO trainer put one on the policy and on ``trainer.ref_model``).
 
-        Returns whether such a head was found (and now runs through lce_patch's op). With SFT's plain
-        NLL loss (``loss_type="nll"``, TRL's default) the op precomputes the gradient of that loss in
-        the forward (see ``fused_linear_log_probs(precompute_grad=True)``).
+        Returns whether the policy has such a head (now run through lce_patch's op); the reference
+        model's head, if any, is served as well. With SFT's plain NLL loss (``loss_type="nll"``, TRL's
+        default) the op precomputes the gradient of that loss in the forward (see
+        ``fused_linear_log_probs(precompute_grad=True)``).
         """
         if model is None:
             return False
@@ -71,6 +94,9 @@ class FusedLCECallback(TrainerCallback):
             from .trl import maybe_install_trl_head
         except ImportError:
             return False
+        ref_model = getattr(trainer, "ref_model", None)
+        if isinstance(ref_model, torch.nn.Module) and ref_model is not model:
+            maybe_install_trl_head(ref_model, dict(self.options))  # no gradient: nothing to precompute
         plain_nll = getattr(args, "loss_type", None) == "nll"
         return maybe_install_trl_head(model, dict(self.options), precompute_grad=plain_nll)
 
@@ -82,5 +108,5 @@ class FusedLCECallback(TrainerCallback):
         self.check_args(args)
         # TRL's head first: patching its forward from outside (a callback added after __init__)
         # would replace the head that SFTTrainer.compute_loss calls with fused_lm_head=True.
-        if not self.install_trainer_heads(model, args):
+        if not self.install_trainer_heads(model, args, _running_trainer(self)):
             self.patch_model(model)  # a model built by model_init at train() was not there at on_init_end

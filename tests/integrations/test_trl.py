@@ -9,8 +9,6 @@ import copy
 import dataclasses
 import types
 import warnings
-from contextlib import contextmanager
-from unittest import mock
 
 import pytest
 import torch
@@ -20,66 +18,17 @@ trl_utils = pytest.importorskip("trl.trainer.utils")
 if not hasattr(trl_utils, "add_fused_lm_head"):
     pytest.skip("TRL without add_fused_lm_head (< 1.15)", allow_module_level=True)
 
-from trl.kernels.chunked_logprob import ChunkedLogProbFunction  # noqa: E402
-
-import lce_patch.ops as lce_ops  # noqa: E402
 from lce_patch.integrations.trl import (  # noqa: E402
     TRLProtocolError,
     find_trl_head,
     maybe_install_trl_head,
     remove_trl_head,
 )
-from lce_patch.ops.linear_cross_entropy.chunked import LinearCrossEntropyFunction  # noqa: E402
-from tests.models.tiny import COMMON_CONFIG  # noqa: E402
+from tests.integrations.trl_helpers import VOCAB, lce_callback, make_model, make_tokenizer, spies  # noqa: E402
 
 add_fused_lm_head = trl_utils.add_fused_lm_head
 SFT_OUTPUTS = ("log_probs", "entropy", "is_top1")
 ALL_OUTPUTS = ("log_probs", "entropy", "mean_logits", "is_top1", "log_sum_sq_probs")  # DPO with WPO weighting
-VOCAB = 64
-_COMMON = dict(
-    COMMON_CONFIG, vocab_size=VOCAB, max_position_embeddings=128, pad_token_id=0, eos_token_id=1, bos_token_id=2
-)
-
-
-def make_model(kind: str = "llama", seed: int = 0) -> torch.nn.Module:
-    import transformers as tf
-
-    torch.manual_seed(seed)
-    if kind == "llama":
-        return tf.LlamaForCausalLM(tf.LlamaConfig(**_COMMON))
-    if kind == "gemma2":  # a small softcap so that the tanh matters at these logit sizes
-        return tf.Gemma2ForCausalLM(tf.Gemma2Config(**_COMMON, head_dim=8, final_logit_softcapping=0.7))
-    if kind == "cohere":
-        return tf.CohereForCausalLM(tf.CohereConfig(**_COMMON, logit_scale=0.5))
-    if kind == "mixtral":
-        return tf.MixtralForCausalLM(
-            tf.MixtralConfig(
-                **_COMMON,
-                num_local_experts=4,
-                num_experts_per_tok=2,
-                output_router_logits=True,
-                router_aux_loss_coef=0.1,
-            )
-        )
-    raise ValueError(kind)
-
-
-@contextmanager
-def spies():
-    """Count calls of lce_patch's op and of TRL's chunked kernel; record whether autocast was on for ours."""
-    autocast_states = []
-
-    def op(*args, **kwargs):
-        autocast_states.append(torch.is_autocast_enabled(args[0].device.type))
-        return real_op(*args, **kwargs)
-
-    real_op = lce_ops.fused_linear_log_probs
-    with (
-        mock.patch.object(lce_ops, "fused_linear_log_probs", side_effect=op) as ours,
-        mock.patch.object(LinearCrossEntropyFunction, "apply", wraps=LinearCrossEntropyFunction.apply) as ours_fn,
-        mock.patch.object(ChunkedLogProbFunction, "apply", wraps=ChunkedLogProbFunction.apply) as theirs,
-    ):
-        yield types.SimpleNamespace(ours=ours, ours_fn=ours_fn, theirs=theirs, autocast=autocast_states)
 
 
 def trl_and_ours(kind: str, **head_kwargs):
@@ -383,19 +332,6 @@ def test_loss_changing_options_are_refused():
 # SFTTrainer end to end
 
 
-def make_tokenizer():
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {"<pad>": 0, "<eos>": 1, "<bos>": 2, "<unk>": 3}
-    vocab.update({f"w{i}": i + 4 for i in range(VOCAB - 4)})
-    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    backend.pre_tokenizer = pre_tokenizers.Whitespace()
-    return PreTrainedTokenizerFast(
-        tokenizer_object=backend, pad_token="<pad>", eos_token="<eos>", bos_token="<bos>", unk_token="<unk>"
-    )
-
-
 def make_dataset(n=48):
     """Pre-tokenized arithmetic progressions (learnable), of varying lengths, so that padding is ignored."""
     from datasets import Dataset
@@ -455,17 +391,11 @@ def assert_same_logs(theirs, ours, rtol):
         assert a[prefix + "num_tokens"] == b[prefix + "num_tokens"]
 
 
-def _callback():
-    from lce_patch import FusedLCECallback
-
-    return FusedLCECallback()
-
-
 @pytest.mark.parametrize("kind", ["llama", "gemma2"])
 def test_sft_trainer_callback_matches_trl_head(tmp_path, kind):
     trl_trainer, theirs, s_theirs = train_sft(tmp_path / "trl", kind)
     assert s_theirs.theirs.call_count == 3 + 1 and s_theirs.ours.call_count == 0  # 3 steps, 1 eval batch
-    trainer, ours, s_ours = train_sft(tmp_path / "ours", kind, callbacks=[_callback()])
+    trainer, ours, s_ours = train_sft(tmp_path / "ours", kind, callbacks=[lce_callback()])
     # lce_patch's op ran every training step and eval batch; TRL's kernel never did
     assert s_ours.ours.call_count == 4 and s_ours.ours_fn.call_count == 4 and s_ours.theirs.call_count == 0
     assert any(entry["mean_token_accuracy"] > 0 for entry in ours) and all(entry["entropy"] > 0 for entry in ours[:3])
@@ -496,7 +426,7 @@ def test_sft_trainer_gradient_precompute_and_its_fallback(tmp_path, loss_type, m
 
     monkeypatch.setattr(chunked.LinearCrossEntropyFunction, "_recompute_backward", staticmethod(counting_backward))
     _, theirs, _ = train_sft(tmp_path / "trl", loss_type=loss_type)
-    _, ours, _ = train_sft(tmp_path / "ours", callbacks=[_callback()], loss_type=loss_type)
+    _, ours, _ = train_sft(tmp_path / "ours", callbacks=[lce_callback()], loss_type=loss_type)
     assert_same_logs(theirs, ours, rtol=1e-4)
     assert len(backward_projections) == 3  # one backward per training step
     assert all((count > 0) == (loss_type == "dft") for count in backward_projections), backward_projections
@@ -506,7 +436,9 @@ def test_sft_trainer_peft_lora(tmp_path):
     peft = pytest.importorskip("peft")
     lora = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
     _, theirs, _ = train_sft(tmp_path / "trl", peft_config=peft.LoraConfig(**lora))
-    trainer, ours, s_ours = train_sft(tmp_path / "ours", callbacks=[_callback()], peft_config=peft.LoraConfig(**lora))
+    trainer, ours, s_ours = train_sft(
+        tmp_path / "ours", callbacks=[lce_callback()], peft_config=peft.LoraConfig(**lora)
+    )
     assert isinstance(trainer.model, peft.PeftModel)
     assert find_trl_head(trainer.model) is trainer.model.get_base_model()
     assert s_ours.ours.call_count == 4 and s_ours.theirs.call_count == 0
@@ -516,7 +448,7 @@ def test_sft_trainer_peft_lora(tmp_path):
 def test_sft_trainer_bf16_mixed_precision(tmp_path):
     """bf16 on CPU: accelerate wraps TRL's forward in autocast before on_train_begin; ours goes under the wrappers."""
     _, theirs, _ = train_sft(tmp_path / "trl", bf16=True)
-    _, ours, s_ours = train_sft(tmp_path / "ours", callbacks=[_callback()], bf16=True)
+    _, ours, s_ours = train_sft(tmp_path / "ours", callbacks=[lce_callback()], bf16=True)
     assert s_ours.ours.call_count == 4 and s_ours.theirs.call_count == 0
     assert s_ours.autocast == [True] * 4
     assert_same_logs(theirs, ours, rtol=2e-2)
@@ -531,7 +463,7 @@ def test_sft_trainer_unrecognised_protocol_fails_loudly(tmp_path):
         args=args,
         train_dataset=make_dataset(8),
         processing_class=make_tokenizer(),
-        callbacks=[_callback()],
+        callbacks=[lce_callback()],
     )
     # e.g. a future TRL asking for a per-token output lce_patch does not know
     add_fused_lm_head(trainer.model, outputs=("log_probs", "top5_probs"))
@@ -546,7 +478,7 @@ def test_sft_trainer_callback_added_after_init(tmp_path):
     trainer = SFTTrainer(
         model=make_model(), args=args, train_dataset=make_dataset(8), processing_class=make_tokenizer()
     )
-    trainer.add_callback(_callback())
+    trainer.add_callback(lce_callback())
     with spies() as s:
         trainer.train()
     assert s.ours.call_count == 1 and s.theirs.call_count == 0

@@ -1,0 +1,180 @@
+"""FusedLCECallback in TRL's preference and RL trainers: DPO, KTO, GRPO, RLOO (TRL >= 1.15).
+
+Each trainer runs twice from the same tiny model saved to disk and loaded by path (so TRL builds its
+reference model the way it does for real checkpoints): once with TRL's own fused LM head, once with
+the callback. The callback must serve every fused-head call, on the policy and on the reference
+model (``trainer.ref_model``, or the policy with its adapters disabled under PEFT), so that TRL's
+chunked kernel never runs, and every logged metric must equal TRL's within float noise.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+trl = pytest.importorskip("trl")
+trl_utils = pytest.importorskip("trl.trainer.utils")
+if not hasattr(trl_utils, "add_fused_lm_head"):
+    pytest.skip("TRL without add_fused_lm_head (< 1.15)", allow_module_level=True)
+datasets = pytest.importorskip("datasets")
+
+from tests.integrations.trl_helpers import VOCAB, lce_callback, make_model, make_tokenizer, spies  # noqa: E402
+
+# Wall-clock keys differ run to run; everything else TRL logs must agree.
+_TIMING_KEYS = ("step_time", "train_runtime", "train_samples_per_second", "train_steps_per_second")
+_STEPS = 2
+
+
+def _words(ids) -> str:
+    return " ".join(f"w{i}" for i in ids)
+
+
+def _peaked_model(kind: str) -> torch.nn.Module:
+    """A tiny model whose head is a scaled copy of its embeddings: it predicts the current token again
+    with some confidence, so repeated words are argmax hits (``mean_token_accuracy`` is not all zeros)."""
+    model = make_model(kind)
+    with torch.no_grad():
+        model.lm_head.weight.copy_(model.get_input_embeddings().weight * 4.0)
+    return model
+
+
+@pytest.fixture(scope="module")
+def model_paths(tmp_path_factory):
+    paths = {}
+    for kind in ("llama", "gemma2"):
+        path = tmp_path_factory.mktemp(kind)
+        _peaked_model(kind).save_pretrained(path)
+        make_tokenizer().save_pretrained(path)
+        paths[kind] = str(path)
+    return paths
+
+
+def preference_dataset(n=16):
+    g = torch.Generator().manual_seed(0)
+    rows = []
+    for _ in range(n):
+        prompt = torch.randint(4, VOCAB - 4, (3,), generator=g).tolist()
+        rejected = torch.randint(4, VOCAB - 4, (4,), generator=g).tolist()
+        rows.append({"prompt": _words(prompt), "chosen": _words([prompt[-1]] * 4), "rejected": _words(rejected)})
+    return datasets.Dataset.from_list(rows)
+
+
+def unpaired_dataset(n=16):
+    rows = [
+        {"prompt": row["prompt"], "completion": row[key], "label": key == "chosen"}
+        for row in preference_dataset(n // 2)
+        for key in ("chosen", "rejected")
+    ]
+    return datasets.Dataset.from_list(rows)
+
+
+def prompt_dataset(n=16):
+    g = torch.Generator().manual_seed(0)
+    return datasets.Dataset.from_list(
+        [{"prompt": _words(torch.randint(4, VOCAB - 4, (4,), generator=g).tolist())} for _ in range(n)]
+    )
+
+
+def reward_w5(completions, **kwargs):
+    return [completion.split().count("w5") + 0.1 * len(completion.split()) for completion in completions]
+
+
+def make_trainer(name, path, callbacks=(), peft_config=None, **config):
+    common = dict(
+        output_dir=config.pop("output_dir"),
+        use_cpu=True,
+        report_to=[],
+        max_steps=_STEPS,
+        save_strategy="no",
+        bf16=False,
+        logging_steps=1,
+        per_device_train_batch_size=4,
+        learning_rate=0.1,
+        optim="sgd",  # Adam would turn fp32 noise in near-zero gradients into lr-sized weight differences
+        seed=0,
+    )
+    kwargs = dict(model=path, processing_class=make_tokenizer(), callbacks=list(callbacks), peft_config=peft_config)
+    if peft_config is not None:
+        torch.manual_seed(1)  # LoRA init
+    if name == "dpo":
+        args = trl.DPOConfig(**common, **config)
+        return trl.DPOTrainer(args=args, train_dataset=preference_dataset(), **kwargs)
+    if name == "kto":
+        args = trl.KTOConfig(**common, **config)
+        return trl.KTOTrainer(args=args, train_dataset=unpaired_dataset(), **kwargs)
+    rl = dict(num_generations=2, max_completion_length=6, beta=0.04)  # beta > 0: a reference model
+    if name == "grpo":
+        args = trl.GRPOConfig(**common, **rl, **config)
+        return trl.GRPOTrainer(args=args, reward_funcs=reward_w5, train_dataset=prompt_dataset(), **kwargs)
+    if name == "rloo":
+        args = trl.RLOOConfig(**common, **rl, **config)
+        return trl.RLOOTrainer(args=args, reward_funcs=reward_w5, train_dataset=prompt_dataset(), **kwargs)
+    raise ValueError(name)
+
+
+def train(name, path, tmp_path, callbacks=(), **config):
+    trainer = make_trainer(name, path, callbacks, output_dir=str(tmp_path), **config)
+    with spies() as calls:
+        trainer.train()
+    logs = [entry for entry in trainer.state.log_history if "loss" in entry]
+    assert len(logs) == _STEPS
+    return trainer, logs, calls
+
+
+def assert_same_logs(theirs, ours, rtol=1e-4, atol=1e-5):
+    for a, b in zip(theirs, ours, strict=True):
+        assert a.keys() == b.keys()
+        for key in a.keys() - set(_TIMING_KEYS):
+            assert b[key] == pytest.approx(a[key], rel=rtol, abs=atol), (key, a[key], b[key])
+
+
+def _lora():
+    peft = pytest.importorskip("peft")
+    return peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+
+
+CASES = {
+    "dpo": ("dpo", "llama", {}),
+    "dpo-gemma2-wpo": ("dpo", "gemma2", {"use_weighting": True}),  # softcap; WPO asks for log(sum p^2)
+    "kto": ("kto", "llama", {}),
+    "grpo": ("grpo", "llama", {}),
+    "grpo-fp32-head-temperature": ("grpo", "gemma2", {"cast_lm_head_to_fp32": True, "temperature": 0.7}),
+    "rloo": ("rloo", "llama", {}),
+}
+
+
+# LoRA on the plain case of each trainer: the reference is then the policy with its adapters disabled
+PARAMS = [(case, False) for case in CASES] + [(name, True) for name in ("dpo", "kto", "grpo", "rloo")]
+
+
+@pytest.mark.parametrize("case, peft", PARAMS, ids=[f"{case}-{'lora' if peft else 'full'}" for case, peft in PARAMS])
+def test_trainer_metrics_match_trl_head(model_paths, tmp_path, case, peft):
+    name, kind, config = CASES[case]
+    peft_config = _lora() if peft else None
+    path = model_paths[kind]
+    _, theirs, trl_calls = train(name, path, tmp_path / "trl", peft_config=peft_config, **config)
+    assert trl_calls.theirs.call_count > 0 and trl_calls.ours.call_count == 0
+    trainer, ours, our_calls = train(
+        name, path, tmp_path / "ours", callbacks=[lce_callback()], peft_config=peft_config, **config
+    )
+    # every fused-head call, policy and reference, ran lce_patch's op; TRL's kernel never ran
+    assert our_calls.theirs.call_count == 0
+    assert our_calls.ours.call_count == trl_calls.theirs.call_count
+    # the reference model (a separate model, or the policy with adapters disabled) took its share
+    ref_model = getattr(trainer, "ref_model", None)
+    assert (ref_model is None) == peft
+    assert_same_logs(theirs, ours)
+    if name == "dpo":  # is_top1 is exercised: some labels are argmax hits
+        assert any(entry["mean_token_accuracy"] > 0 for entry in ours)
+
+
+def test_reference_model_head_is_served(model_paths, tmp_path):
+    """The reference model's forward is lce_patch's after training begins, and TRL's before."""
+    from lce_patch.integrations.trl import _head_path, _is_ours, _target
+
+    trainer = make_trainer("dpo", model_paths["llama"], [lce_callback()], output_dir=str(tmp_path))
+    assert not _is_ours(_target(_head_path(trainer.ref_model)[-1]))
+    with spies():
+        trainer.train()
+    assert _is_ours(_target(_head_path(trainer.ref_model)[-1]))
+    assert _is_ours(_target(_head_path(trainer.model)[-1]))

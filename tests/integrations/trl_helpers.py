@@ -1,0 +1,80 @@
+"""Shared pieces of the TRL integration tests: tiny models, a word-level tokenizer built offline, spies
+on lce_patch's op and on TRL's chunked kernel."""
+
+from __future__ import annotations
+
+import types
+from contextlib import contextmanager
+from unittest import mock
+
+import torch
+from trl.kernels.chunked_logprob import ChunkedLogProbFunction
+
+import lce_patch.ops as lce_ops
+from lce_patch.ops.linear_cross_entropy.chunked import LinearCrossEntropyFunction
+from tests.models.tiny import COMMON_CONFIG
+
+VOCAB = 64
+_COMMON = dict(
+    COMMON_CONFIG, vocab_size=VOCAB, max_position_embeddings=128, pad_token_id=0, eos_token_id=1, bos_token_id=2
+)
+
+
+def make_model(kind: str = "llama", seed: int = 0) -> torch.nn.Module:
+    import transformers as tf
+
+    torch.manual_seed(seed)
+    if kind == "llama":
+        return tf.LlamaForCausalLM(tf.LlamaConfig(**_COMMON))
+    if kind == "gemma2":  # a small softcap so that the tanh matters at these logit sizes
+        return tf.Gemma2ForCausalLM(tf.Gemma2Config(**_COMMON, head_dim=8, final_logit_softcapping=0.7))
+    if kind == "cohere":
+        return tf.CohereForCausalLM(tf.CohereConfig(**_COMMON, logit_scale=0.5))
+    if kind == "mixtral":
+        return tf.MixtralForCausalLM(
+            tf.MixtralConfig(
+                **_COMMON,
+                num_local_experts=4,
+                num_experts_per_tok=2,
+                output_router_logits=True,
+                router_aux_loss_coef=0.1,
+            )
+        )
+    raise ValueError(kind)
+
+
+@contextmanager
+def spies():
+    """Count calls of lce_patch's op and of TRL's chunked kernel; record whether autocast was on for ours."""
+    autocast_states = []
+
+    def op(*args, **kwargs):
+        autocast_states.append(torch.is_autocast_enabled(args[0].device.type))
+        return real_op(*args, **kwargs)
+
+    real_op = lce_ops.fused_linear_log_probs
+    with (
+        mock.patch.object(lce_ops, "fused_linear_log_probs", side_effect=op) as ours,
+        mock.patch.object(LinearCrossEntropyFunction, "apply", wraps=LinearCrossEntropyFunction.apply) as ours_fn,
+        mock.patch.object(ChunkedLogProbFunction, "apply", wraps=ChunkedLogProbFunction.apply) as theirs,
+    ):
+        yield types.SimpleNamespace(ours=ours, ours_fn=ours_fn, theirs=theirs, autocast=autocast_states)
+
+
+def make_tokenizer():
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<eos>": 1, "<bos>": 2, "<unk>": 3}
+    vocab.update({f"w{i}": i + 4 for i in range(VOCAB - 4)})
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend, pad_token="<pad>", eos_token="<eos>", bos_token="<bos>", unk_token="<unk>"
+    )
+
+
+def lce_callback():
+    from lce_patch import FusedLCECallback
+
+    return FusedLCECallback()
