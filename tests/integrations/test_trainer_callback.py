@@ -177,9 +177,11 @@ def test_bad_option_fails_at_construction():
 
 def test_trl_hook_is_called_at_train_begin(tmp_path, monkeypatch):
     seen = []
-    monkeypatch.setattr(FusedLCECallback, "install_trainer_heads", lambda self, model, args=None: seen.append(model))
+    monkeypatch.setattr(
+        FusedLCECallback, "install_trainer_heads", lambda self, model, args, trainer: seen.append((model, trainer))
+    )
     trainer, _, _ = _train(tmp_path, [FusedLCECallback()])
-    assert seen == [trainer.model]
+    assert seen == [(trainer.model, trainer)]  # the running trainer is found (TRL keeps its ref_model there)
 
 
 def test_torch_compile_training_equals_an_unpatched_eager_run(tmp_path, monkeypatch):
