@@ -190,6 +190,19 @@ def lora_config(args: argparse.Namespace) -> Any:
     )
 
 
+def make_loadable(model: PreTrainedModel, output_dir: Path) -> None:
+    """Give a model built from a config (the embedded one) a path TRL can load it from.
+
+    TRL's DPO, GRPO and RLOO trainers build their reference model with ``from_pretrained`` from the
+    policy's ``config._name_or_path``; a model built from a config has none, so its initial weights are
+    saved under ``output_dir/initial`` and that becomes its path."""
+    if model.config._name_or_path:
+        return
+    path = output_dir / "initial"
+    model.save_pretrained(path)
+    model.config._name_or_path = str(path)
+
+
 def accelerator_available() -> bool:
     """Whether torch sees a GPU (CUDA, or another accelerator through ``torch.accelerator``)."""
     accelerator = getattr(torch, "accelerator", None)
@@ -239,6 +252,7 @@ class StepRecorder(TrainerCallback):
         self.step_tokens: list[int] = []
         self._last_time = 0.0
         self._last_tokens = 0
+        self._last_trl_tokens = 0.0
 
     @staticmethod
     def _now() -> float:
@@ -248,6 +262,7 @@ class StepRecorder(TrainerCallback):
 
     def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any):
         self._last_time, self._last_tokens = self._now(), state.num_input_tokens_seen
+        self._last_trl_tokens = 0.0
 
     def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any):
         now = self._now()
@@ -265,6 +280,12 @@ class StepRecorder(TrainerCallback):
     ):
         numbers = {k: float(v) for k, v in (logs or {}).items() if isinstance(v, (int, float))}
         self.logs.setdefault(state.global_step, {}).update(numbers)
+        # TRL's trainers count the tokens they train on (``num_tokens``, cumulative); the Trainer's own count
+        # sees only ``input_ids`` batches, which GRPO's prompt batches are not.
+        if "num_tokens" in numbers and self.step_tokens and len(self.step_tokens) == state.global_step:
+            if self.step_tokens[-1] == 0:
+                self.step_tokens[-1] = int(numbers["num_tokens"] - self._last_trl_tokens)
+            self._last_trl_tokens = numbers["num_tokens"]
 
 
 class LossProgressBar(ProgressCallback):
@@ -362,6 +383,7 @@ class RunResult:
     peak_bytes: int | None
     memory_method: str
     last_metrics: dict[str, float] = dataclasses.field(default_factory=dict)
+    step_logs: list[dict[str, float]] = dataclasses.field(default_factory=list)
 
     @property
     def timed(self) -> slice:
@@ -394,12 +416,15 @@ class Recipe:
 
     ``prepare_dataset(args, dataset, tokenizer)`` runs once; ``make_trainer(args, model, tokenizer,
     dataset, callbacks, output_dir)`` runs once per training run and must pass ``callbacks`` on.
+    ``metrics``: logged metrics the comparison reports beside the loss (their largest difference over
+    the steps, and their final values).
     """
 
     name: str
     baseline: str
     prepare_dataset: Callable[[argparse.Namespace, datasets.Dataset, PreTrainedTokenizerBase], datasets.Dataset]
     make_trainer: TrainerFactory
+    metrics: tuple[str, ...] = ("mean_token_accuracy", "entropy")
 
 
 def fused_callback(args: argparse.Namespace) -> TrainerCallback:
@@ -431,14 +456,16 @@ def train_once(
     if save:
         trainer.save_model(str(output_dir))
     last = recorder.logs.get(max(recorder.logs, default=0), {})
+    steps = range(1, len(recorder.step_seconds) + 1)
     result = RunResult(
         name=name,
-        losses=[recorder.logs.get(step, {}).get("loss", math.nan) for step in range(1, len(recorder.step_seconds) + 1)],
+        losses=[recorder.logs.get(step, {}).get("loss", math.nan) for step in steps],
         step_seconds=recorder.step_seconds,
         step_tokens=recorder.step_tokens,
         peak_bytes=memory["bytes"],
         memory_method=memory["method"],
-        last_metrics={k: v for k, v in last.items() if k in ("mean_token_accuracy", "entropy")},
+        last_metrics={k: v for k, v in last.items() if k in recipe.metrics},
+        step_logs=[recorder.logs.get(step, {}) for step in steps],
     )
     del trainer, model
     gc.collect()
@@ -453,7 +480,13 @@ def _pct(new: float | None, old: float | None) -> str:
     return f"{100 * (new - old) / old:+.1f}%"
 
 
-def format_table(baseline: RunResult, fused: RunResult, baseline_label: str, max_rows: int = 60) -> str:
+def format_table(
+    baseline: RunResult,
+    fused: RunResult,
+    baseline_label: str,
+    max_rows: int = 60,
+    metrics: tuple[str, ...] = ("mean_token_accuracy", "entropy"),
+) -> str:
     """The comparison as text: loss per step (every step, or evenly spaced ones), then a summary."""
     steps = len(baseline.losses)
     every = 1 if steps <= max_rows else math.ceil(steps / (max_rows // 2))
@@ -468,6 +501,10 @@ def format_table(baseline: RunResult, fused: RunResult, baseline_label: str, max
     differences = [abs(b - a) for a, b in zip(baseline.losses, fused.losses)]
     if differences:
         lines.append(f"largest loss difference: {max(differences):.2e}")
+    for key in metrics:
+        pairs = [(a[key], b[key]) for a, b in zip(baseline.step_logs, fused.step_logs) if key in a and key in b]
+        if pairs:
+            lines.append(f"largest {key} difference: {max(abs(b - a) for a, b in pairs):.2e}")
 
     def mib(result: RunResult) -> float | None:
         return None if result.peak_bytes is None else result.peak_bytes / MIB
@@ -481,7 +518,7 @@ def format_table(baseline: RunResult, fused: RunResult, baseline_label: str, max
         ("tokens/s", baseline.tokens_per_second, fused.tokens_per_second, ",.0f"),
         ("final loss", baseline.losses[-1] if steps else None, fused.losses[-1] if fused.losses else None, ".4f"),
     ]
-    for key in ("mean_token_accuracy", "entropy"):
+    for key in metrics:
         if key in baseline.last_metrics and key in fused.last_metrics:
             rows.append((f"final {key}", baseline.last_metrics[key], fused.last_metrics[key], ".4f"))
     label = max(len(r[0]) for r in rows)
@@ -566,7 +603,7 @@ def run_recipe(recipe: Recipe, args: argparse.Namespace) -> int:
     ]
     baseline, fused = results
     print()
-    print(format_table(baseline, fused, recipe.baseline))
+    print(format_table(baseline, fused, recipe.baseline, metrics=recipe.metrics))
     title = f"recipes/{recipe.name}.py --compare: {args.model or 'embedded Llama'}, {args.max_steps} steps"
     png, record = args.output_dir / "compare.png", args.output_dir / "compare.json"
     plot_comparison(baseline, fused, recipe.baseline, title, png)

@@ -14,7 +14,7 @@ from .conftest import RECIPES_DIR
 
 # Small enough for CI: a handful of short sequences, two optimizer steps.
 TINY = ["--max-steps", "2", "--max-examples", "24", "--batch-size", "4", "--seq-len", "128"]
-RECIPES = ["sft", "train"]
+RECIPES = ["sft", "train", "dpo", "grpo"]
 
 
 def _main(recipe: str):
@@ -67,6 +67,11 @@ def test_compare_prints_the_table_and_writes_the_plot(
     assert [baseline["name"], fused["name"]] == ["baseline", "lce_patch"]
     assert len(baseline["losses"]) == len(fused["losses"]) == 2
     assert fused["losses"] == pytest.approx(baseline["losses"], abs=1e-3)
+    # every logged metric (DPO's rewards/logps/logits, GRPO's reward/kl/entropy, ...) agrees, not only the loss
+    for theirs, ours in zip(baseline["step_logs"], fused["step_logs"], strict=True):
+        assert theirs.keys() == ours.keys() and "loss" in ours
+        for key in (k for k in theirs if not k.endswith(("_per_second", "runtime", "step_time"))):  # wall clock
+            assert ours[key] == pytest.approx(theirs[key], rel=1e-3, abs=1e-4), key
     assert baseline["peak_bytes"] > 0 and fused["peak_bytes"] > 0
     assert all(t > 0 for t in baseline["step_tokens"] + fused["step_tokens"])
 
