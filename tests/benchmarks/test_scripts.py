@@ -14,7 +14,15 @@ from pathlib import Path
 import pytest
 
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
-SCRIPTS = ["bench_lce.py", "gpu_check.py", "e2e_train.py", "convergence.py", "multi_gpu_check.py", "sanitize.py"]
+SCRIPTS = [
+    "bench_lce.py",
+    "bench_trl.py",
+    "gpu_check.py",
+    "e2e_train.py",
+    "convergence.py",
+    "multi_gpu_check.py",
+    "sanitize.py",
+]
 
 
 def _run(args: list[str], tmp_path: Path, timeout: int = 300) -> subprocess.CompletedProcess:
@@ -46,3 +54,14 @@ def test_convergence_tiny_on_cpu(tmp_path):
     summary = json.loads((tmp_path / "convergence.json").read_text())
     assert summary  # per-run losses and the verdicts
     assert "patched within spread: yes" in result.stdout
+
+
+@pytest.mark.parametrize("trainer", ["dpo", "grpo"])
+def test_bench_trl_tiny_on_cpu(trainer, tmp_path):
+    pytest.importorskip("trl")
+    args = ["bench_trl.py", "--tiny", "--trainer", trainer, "--seq-len", "48", "--steps", "1", "--warmup", "0"]
+    result = _run([*args, "--model", "gemma-2-2b", "--out", str(tmp_path)], tmp_path)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
+    (record,) = [json.loads(p.read_text()) for p in tmp_path.glob("bench_trl_*.json")]
+    check = record["results"]["check"]
+    assert check["loss_abs_diff"] < 1e-5 and check["worst_grad_rel_l2"] < 1e-4  # the two heads agree

@@ -84,3 +84,25 @@ def test_out_of_range_label_stops_with_a_readable_device_assert():
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert result.returncode != 0
     assert "outside [0, 100)" in result.stderr or "device-side assert" in result.stderr, result.stderr[-2000:]
+
+
+@pytest.mark.parametrize("dtype, atol", [(torch.float32, 1e-4), (torch.bfloat16, 5e-2)])
+@pytest.mark.parametrize("options", [{}, {"softcap": 30.0, "temperature": 0.9}], ids=["plain", "softcap"])
+def test_triton_mean_logits_and_log_sum_sq_probs(dtype, atol, options):
+    # bf16 logits carry ~2^-9 relative error each (~4e-3 at |z| ~ 8 here); the mean and the log-sum of squares
+    # average or soft-max over them, so their error stays within a few of those.
+    from lce_patch import fused_linear_log_probs
+    from lce_patch.ops.linear_cross_entropy import naive_distribution_statistics
+
+    gen = torch.Generator().manual_seed(0)
+    hidden = torch.randn(300, 72, generator=gen, dtype=torch.float64)
+    weight = torch.randn(5003, 72, generator=gen, dtype=torch.float64) / 72**0.5 * 3
+    labels = torch.randint(0, 5003, (300,), generator=gen)
+    labels[::7] = -100
+    ref = naive_distribution_statistics(hidden, weight, labels, **options)
+    out = fused_linear_log_probs(
+        hidden.to(CUDA, dtype), weight.to(CUDA, dtype), labels.to(CUDA), backend="triton", chunk_size=128,
+        return_mean_logits=True, return_log_sum_sq_probs=True, **options,
+    )  # fmt: skip
+    for got, want in zip((out.mean_logits, out.log_sum_sq_probs), ref, strict=True):
+        assert (got.double().cpu() - want).abs().max() < atol
