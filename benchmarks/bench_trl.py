@@ -180,7 +180,8 @@ def run(args) -> dict:
             if index == 0:
                 first[head] = {
                     "loss": float(loss),
-                    "grads": {n: p.grad.float().clone() for n, p in policy.named_parameters() if p.grad is not None},
+                    # on the host: a device copy would count in the next head's peak memory
+                    "grads": {n: p.grad.float().cpu() for n, p in policy.named_parameters() if p.grad is not None},
                 }
         peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None
         mean_ms = sum(times) / len(times) if times else None
