@@ -14,10 +14,10 @@ reference copy exactly as DPOTrainer / GRPOTrainer do, and times the step those 
   ``dapo``), backward.
 
 Then lce_patch's callback code (``maybe_install_trl_head``) swaps both heads for lce_patch's op and the
-same steps run again, in the same process. Each setup: ``--warmup`` untimed steps, then ``--steps``
-timed ones (CUDA events around forward + backward; no optimizer step, which is the same for both), and
-peak memory (``torch.cuda.max_memory_allocated`` over the timed steps, weights included). The losses
-and gradients of the two heads are compared on the first step.
+same steps run again, in the same process. Each head: ``--warmup`` untimed steps, then one step whose
+peak memory (``torch.cuda.max_memory_allocated``, weights included), loss and gradients are recorded
+(the two heads' are compared); then ``--steps`` timed steps per head, the heads alternating step by
+step (CUDA events around forward + backward; no optimizer step, which is the same for both).
 
     python benchmarks/bench_trl.py --model llama-3.2-1b --trainer dpo --seq-len 2048 --pairs 2
     python benchmarks/bench_trl.py --model gemma-2-2b --trainer grpo --seq-len 2048 --batch 4 --out results/
@@ -155,43 +155,52 @@ def run(args) -> dict:
     batch = make_batch(args, policy.get_output_embeddings().weight.shape[0], device)
     tokens = int((batch["labels"] != -100).sum())
 
-    results = {}
-    first = {}
+    def use(head: str) -> None:
+        for model in (policy, reference):
+            if model is not None:
+                if head == "lce_patch":
+                    assert maybe_install_trl_head(model, {})
+                else:
+                    remove_trl_head(model)
+
+    def timed_step() -> tuple[float | None, float]:
+        policy.zero_grad(set_to_none=True)
+        if device.type != "cuda":
+            return None, float(step(policy, reference, batch)[0])
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        loss, _ = step(policy, reference, batch)
+        stop.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(stop), float(loss)
+
+    # Phase 1, one head at a time: warm-up, then one step for peak memory, loss and gradients.
+    results, first = {}, {}
     for head in HEADS:
-        if head == "lce_patch":
-            assert maybe_install_trl_head(policy, {})
-            if reference is not None:
-                assert maybe_install_trl_head(reference, {})
-        times = []
-        for index in range(args.warmup + args.steps):
-            if index == args.warmup and device.type == "cuda":
-                torch.cuda.synchronize()
-                torch.cuda.reset_peak_memory_stats()
-            policy.zero_grad(set_to_none=True)
-            if device.type == "cuda":
-                start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-            loss, _ = step(policy, reference, batch)
-            if device.type == "cuda":
-                stop.record()
-                torch.cuda.synchronize()
-                if index >= args.warmup:
-                    times.append(start.elapsed_time(stop))
-            if index == 0:
-                first[head] = {
-                    "loss": float(loss),
-                    # on the host: a device copy would count in the next head's peak memory
-                    "grads": {n: p.grad.float().cpu() for n, p in policy.named_parameters() if p.grad is not None},
-                }
+        use(head)
+        for _ in range(args.warmup):
+            timed_step()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        _, loss = timed_step()
         peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None
+        # on the host: a device copy would count in the next head's peak memory
+        grads = {n: p.grad.float().cpu() for n, p in policy.named_parameters() if p.grad is not None}
+        first[head] = {"loss": loss, "grads": grads}
+        results[head] = {"peak_gib": peak, "loss": loss, "step_ms_all": []}
+    # Phase 2, timing: the heads alternate step by step (in alternating order), so clock and power
+    # changes of a long run reach both alike.
+    for index in range(args.steps):
+        for head in HEADS if index % 2 == 0 else HEADS[::-1]:
+            use(head)
+            milliseconds, _ = timed_step()
+            if milliseconds is not None:
+                results[head]["step_ms_all"].append(milliseconds)
+    for head in HEADS:
+        times = results[head]["step_ms_all"]
         mean_ms = sum(times) / len(times) if times else None
-        results[head] = {
-            "step_ms": mean_ms,
-            "step_ms_all": times,
-            "peak_gib": peak,
-            "tokens_per_s": tokens / (mean_ms / 1000) if mean_ms else None,
-            "loss": first[head]["loss"],
-        }
+        results[head].update(step_ms=mean_ms, tokens_per_s=tokens / (mean_ms / 1000) if mean_ms else None)
     remove_trl_head(policy)
     grads_a, grads_b = first["trl"]["grads"], first["lce_patch"]["grads"]
     worst = 0.0
