@@ -172,9 +172,12 @@ def load_train_dataset(args: argparse.Namespace) -> datasets.Dataset:
         dataset = datasets.load_dataset("json", data_files=str(path), split="train")
     else:
         dataset = datasets.load_dataset(source, args.dataset_config, split=args.dataset_split)
-    if args.max_examples is not None:
-        dataset = dataset.select(range(min(args.max_examples, len(dataset))))
-    return dataset
+    return first_examples(dataset, args.max_examples)
+
+
+def first_examples(dataset: datasets.Dataset, count: int | None) -> datasets.Dataset:
+    """The first ``count`` rows of ``dataset`` (``--max-examples``), or all of them for None."""
+    return dataset if count is None else dataset.select(range(min(count, len(dataset))))
 
 
 def lora_config(args: argparse.Namespace) -> Any:

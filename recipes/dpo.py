@@ -68,8 +68,9 @@ def prepare_dataset(
     if all(c in columns for c in PREFERENCE_COLUMNS):
         return dataset.select_columns(list(PREFERENCE_COLUMNS))
     if "messages" in columns and args.dataset is None:
-        pairs = preference_pairs(dataset)
-        return pairs.select(range(min(len(pairs), args.max_examples))) if args.max_examples else pairs
+        import _common
+
+        return _common.first_examples(preference_pairs(dataset), args.max_examples)
     raise SystemExit(
         f"the dataset has columns {columns}: DPO needs preference pairs, columns 'prompt', 'chosen' and 'rejected'"
     )

@@ -17,6 +17,7 @@ model's completions get different rewards).
 from __future__ import annotations
 
 import sys
+from collections import Counter
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -56,8 +57,6 @@ def _text(completion: Any) -> str:
 
 
 def _f1(predicted: list[str], reference: list[str]) -> float:
-    from collections import Counter
-
     common = sum((Counter(predicted) & Counter(reference)).values())
     if not common:
         return 0.0
@@ -83,8 +82,9 @@ def prepare_dataset(
     built from the shipped conversations."""
     columns = dataset.column_names
     if args.dataset is None and "messages" in columns:
-        rows = prompts_and_answers(dataset)
-        return rows.select(range(min(len(rows), args.max_examples))) if args.max_examples else rows
+        import _common
+
+        return _common.first_examples(prompts_and_answers(dataset), args.max_examples)
     missing = [c for c in (args.prompt_column, args.answer_column) if c not in columns]
     if missing:
         raise SystemExit(

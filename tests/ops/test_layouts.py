@@ -14,7 +14,11 @@ import pytest
 import torch
 
 from lce_patch import fused_linear_cross_entropy, fused_linear_log_probs
-from lce_patch.ops.linear_cross_entropy import naive_linear_cross_entropy, naive_token_outputs
+from lce_patch.ops.linear_cross_entropy import (
+    naive_distribution_statistics,
+    naive_linear_cross_entropy,
+    naive_token_outputs,
+)
 
 from .test_linear_cross_entropy import BACKENDS, rel_err
 
@@ -111,8 +115,11 @@ def _run_case(hidden_case, weight_case, label_case, *, backend, dtype, bias, shi
         ref = naive_token_outputs(make_hidden({"hidden": ref_h}), ref_w, labels, bias=ref_b)
         out = fused_linear_log_probs(
             make_hidden({"hidden": h}), w, labels, bias=b, shift=shift, return_entropy=True, return_is_top1=True,
-            backend=backend, chunk_size=7,
+            return_mean_logits=True, return_log_sum_sq_probs=True, backend=backend, chunk_size=7,
         )  # fmt: skip
+        statistics = naive_distribution_statistics(make_hidden({"hidden": ref_h}), ref_w, labels, bias=ref_b)
+        for got, want in zip((out.mean_logits, out.log_sum_sq_probs), statistics, strict=True):
+            assert rel_err(got, want) < TOLERANCE[dtype]
         g_lp, g_ent = torch.randn_like(ref[0]), torch.randn_like(ref[1])
         ref_loss = (ref[0] * g_lp + ref[1] * g_ent).sum()
         loss = (out.log_probs * g_lp.to(torch.float32) + out.entropy * g_ent.to(torch.float32)).sum()

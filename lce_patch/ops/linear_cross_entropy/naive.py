@@ -65,6 +65,12 @@ def naive_linear_cross_entropy(
     return losses.view(hidden.shape[:-1])
 
 
+def _distribution(hidden, weight, bias, labels, ignore_index, softcap, logit_scale, temperature):
+    """(final logits, their log-softmax, valid-label mask) of the per-token references."""
+    logits = naive_logits(hidden, weight, bias, softcap=softcap, logit_scale=logit_scale, temperature=temperature)
+    return logits, torch.log_softmax(logits, dim=-1), labels != ignore_index
+
+
 def naive_token_outputs(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -77,9 +83,7 @@ def naive_token_outputs(
     temperature: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Reference (log_probs, entropy, is_top1), each shaped like labels, zero/False where ignored."""
-    logits = naive_logits(hidden, weight, bias, softcap=softcap, logit_scale=logit_scale, temperature=temperature)
-    log_p = torch.log_softmax(logits, dim=-1)
-    valid = labels != ignore_index
+    logits, log_p, valid = _distribution(hidden, weight, bias, labels, ignore_index, softcap, logit_scale, temperature)
     safe = torch.where(valid, labels, 0)
     log_probs = torch.where(valid, log_p.gather(-1, safe.unsqueeze(-1)).squeeze(-1), 0.0)
     entropy = torch.where(valid, -(log_p.exp() * log_p).sum(-1), 0.0)
@@ -99,9 +103,7 @@ def naive_distribution_statistics(
     temperature: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Reference (mean_logits, log_sum_sq_probs): the mean final logit and log(sum_v p_v**2), 0 where ignored."""
-    logits = naive_logits(hidden, weight, bias, softcap=softcap, logit_scale=logit_scale, temperature=temperature)
-    log_p = torch.log_softmax(logits, dim=-1)
-    valid = labels != ignore_index
+    logits, log_p, valid = _distribution(hidden, weight, bias, labels, ignore_index, softcap, logit_scale, temperature)
     mean_logits = torch.where(valid, logits.mean(-1), 0.0)
     log_sum_sq_probs = torch.where(valid, torch.logsumexp(2.0 * log_p, dim=-1), 0.0)
     return mean_logits, log_sum_sq_probs
