@@ -288,7 +288,9 @@ def mode_of(accelerator) -> dict[str, Any]:
     elif dtype == DistributedType.NO:
         info["mode"] = "single-process"
     elif dtype == DistributedType.DEEPSPEED:
-        info["mode"] = "DeepSpeed"
+        stage = state.deepspeed_plugin.zero_stage
+        info["mode"] = f"ZeRO-{stage}"
+        info["zero_stage"] = stage
     else:
         info["mode"] = "DDP"
     if torch.distributed.is_available() and torch.distributed.is_initialized():
@@ -331,6 +333,10 @@ def check_launch(accelerator) -> str | None:
             f"launched with WORLD_SIZE={launched} but accelerate runs {accelerator.num_processes} process(es) "
             f"({accelerator.distributed_type}); on a CPU machine use ACCELERATE_USE_CPU=true"
         )
+    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true" and (
+        accelerator.distributed_type != DistributedType.DEEPSPEED
+    ):
+        return f"the launch config asks for DeepSpeed but accelerate runs {accelerator.distributed_type}"
     if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true" and (
         accelerator.distributed_type != DistributedType.FSDP
     ):
@@ -343,7 +349,11 @@ def check_launch(accelerator) -> str | None:
 
 def full_state_dict(accelerator, model) -> dict[str, torch.Tensor]:
     """Full (unsharded) parameters on rank 0 (empty elsewhere), CPU."""
-    if accelerator.num_processes > 1:
+    if mode_of(accelerator)["mode"].startswith("ZeRO"):
+        # ZeRO-3 gathers its partitions (stage3_gather_16bit_weights_on_model_save; fp32 here, no
+        # mixed precision); ZeRO-2 keeps whole parameters on every rank.
+        state = accelerator.get_state_dict(model)
+    elif accelerator.num_processes > 1:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         # cpu_offload: rank 0 alone gets the full tensors (on CPU); FSDP1 on a CPU model segfaults with it (torch 2.13)
@@ -362,11 +372,14 @@ def full_state_dict(accelerator, model) -> dict[str, torch.Tensor]:
 
 
 def local_numel(model: torch.nn.Module) -> int:
-    """Parameter elements this rank holds between steps (a shard under FSDP, everything under DDP)."""
+    """Parameter elements this rank holds between steps (a shard under FSDP and ZeRO-3, everything under DDP)."""
     total = 0
     for param in model.parameters():
         to_local = getattr(param, "to_local", None)  # FSDP2: DTensor shards
-        total += to_local().numel() if callable(to_local) else param.numel()
+        if hasattr(param, "ds_tensor"):  # ZeRO-3: the rank's partition
+            total += param.ds_tensor.numel()
+        else:
+            total += to_local().numel() if callable(to_local) else param.numel()
     return total
 
 
@@ -382,7 +395,12 @@ def run_distributed(accelerator, base, batches, args) -> dict[str, Any]:
         # optimizer built before: build it on the wrapped model (as accelerate's FSDP1 docs ask).
         model = accelerator.prepare(model)
         optimizer = accelerator.prepare(torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.0))
-    else:  # FSDP2 needs both in one call (accelerate remaps the optimizer onto the sharded parameters)
+    else:  # FSDP2 and DeepSpeed need both in one call (the optimizer is remapped onto the sharded parameters)
+        if mode_of(accelerator)["mode"].startswith("ZeRO"):
+            config = accelerator.state.deepspeed_plugin.deepspeed_config
+            config["train_micro_batch_size_per_gpu"] = args.batch // world  # no dataloader to infer it from
+            config["zero_allow_untested_optimizer"] = True  # plain SGD, so parameters compare as gradients
+            config["gradient_clipping"] = 0.0  # accelerate's default clips at 1.0; the reference does not
         optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.0)
         model, optimizer = accelerator.prepare(model, optimizer)
     local_fraction = local_numel(model) / full_numel
@@ -463,6 +481,15 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.cpu_fsdp:  # accelerate's FSDP plugin needs an accelerator device for sync_module_states
         os.environ["FSDP_SYNC_MODULE_STATES"] = "false"
+    # Built before the Accelerator: under ZeRO-3 its DeepSpeed config would make transformers partition the
+    # weights at construction (zero.Init), and the single-process reference needs them whole.
+    base = build_model(args)
+    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true" and not torch.cuda.is_available():
+        # DeepSpeed on a CPU machine (DS_ACCELERATOR=cpu, to debug): accelerate picks no backend for it and
+        # would run one process; gloo it is.
+        from accelerate import PartialState
+
+        PartialState(backend="gloo")
     accelerator = Accelerator()
     if args.cpu_fsdp:
         force_cpu_fsdp(accelerator)
@@ -479,7 +506,6 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.time()
     install_call_counter()
 
-    base = build_model(args)
     batches = make_batches(args, world)
     ref = ref_fused = None
     init_state = None

@@ -3,7 +3,7 @@
 from typing import Any
 
 from .models import apply_fused_lce, revert_fused_lce, supported_architectures
-from .ops import FusedLinearCrossEntropy, TokenOutputs, fused_linear_cross_entropy, fused_linear_log_probs
+from .ops import FusedLinearCrossEntropy, TokenOutputs, VocabShard, fused_linear_cross_entropy, fused_linear_log_probs
 
 __version__ = "0.1.0"
 
@@ -11,6 +11,7 @@ __all__ = [
     "FusedLCECallback",
     "FusedLinearCrossEntropy",
     "TokenOutputs",
+    "VocabShard",
     "__version__",
     "apply_fused_lce",
     "fused_linear_cross_entropy",

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from ..ops.linear_cross_entropy.functional import fused_linear_cross_entropy, start_valid_token_count
+from ..ops.linear_cross_entropy.vocab_parallel import is_dtensor
 from .head import SLOT_ATTR, JobSlot, install_interceptor, resolve_head_module
 from .registry import HeadConfig
 
@@ -82,12 +83,18 @@ def unpatched(forward: Any) -> Any:
     return getattr(forward, ORIGINAL_ATTR, forward)
 
 
-def _is_dtensor(tensor: torch.Tensor) -> bool:
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # torch built without distributed
-        return False
-    return isinstance(tensor, DTensor)
+def _head_logits(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """The head's logits; for a vocab-sharded DTensor weight (tensor parallelism) gathered whole on every
+    rank, as transformers' ``colwise_gather_output`` head returns them."""
+    if not is_dtensor(weight):
+        return torch.nn.functional.linear(hidden, weight, bias)
+    from torch.distributed.tensor import DTensor, Replicate
+
+    if not isinstance(hidden, DTensor):
+        hidden = DTensor.from_local(
+            hidden, weight.device_mesh, [Replicate()] * weight.device_mesh.ndim, run_check=False
+        )
+    return torch.nn.functional.linear(hidden, weight, bias).full_tensor()
 
 
 def _default_loss_function(model: torch.nn.Module) -> Any:
@@ -136,14 +143,6 @@ class LossJob:
                 f"lce_patch: {self.model_name}'s LM head was called twice in one forward; the fused loss supports "
                 "a forward that projects the hidden states once (revert_fused_lce(model) to train this model)"
             )
-        if _is_dtensor(weight):
-            # Inside the head's call FSDP has unsharded its weight; a DTensor here is a vocab-sharded
-            # (tensor-parallel) head, which needs a vocab-parallel cross-entropy.
-            raise NotImplementedError(
-                "lce_patch: the LM head weight is a DTensor inside the head's call (tensor parallelism, "
-                f"placements {getattr(weight, 'placements', '?')}); the fused loss does not support a vocab-sharded "
-                "head yet. Train without tensor parallelism on lm_head, or revert_fused_lce(model)."
-            )
         targets, shift = self._targets()
         num_valid_tokens = self.read_valid_count() if self.read_valid_count is not None else None
         self.loss = fused_linear_cross_entropy(
@@ -165,7 +164,7 @@ class LossJob:
             num_valid_tokens=num_valid_tokens,
         )
         if self.want_logits:  # evaluation that keeps the logits: the head's real output, the loss still fused
-            return torch.nn.functional.linear(hidden, weight, bias)
+            return _head_logits(hidden, weight, bias)
         return self.loss.expand(*hidden.shape[:-1], 0)
 
     def loss_function(self, logits: torch.Tensor, labels: torch.Tensor | None = None, *args: Any, **kwargs: Any):

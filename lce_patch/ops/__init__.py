@@ -3,6 +3,7 @@
 from .linear_cross_entropy import (
     FusedLinearCrossEntropy,
     TokenOutputs,
+    VocabShard,
     fused_linear_cross_entropy,
     fused_linear_log_probs,
     start_valid_token_count,
@@ -11,6 +12,7 @@ from .linear_cross_entropy import (
 __all__ = [
     "FusedLinearCrossEntropy",
     "TokenOutputs",
+    "VocabShard",
     "fused_linear_cross_entropy",
     "fused_linear_log_probs",
     "start_valid_token_count",

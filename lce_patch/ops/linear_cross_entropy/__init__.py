@@ -8,10 +8,12 @@ from .functional import (
     start_valid_token_count,
 )
 from .naive import naive_distribution_statistics, naive_linear_cross_entropy, naive_logits, naive_token_outputs
+from .vocab_parallel import VocabShard
 
 __all__ = [
     "FusedLinearCrossEntropy",
     "TokenOutputs",
+    "VocabShard",
     "fused_linear_cross_entropy",
     "fused_linear_log_probs",
     "naive_distribution_statistics",

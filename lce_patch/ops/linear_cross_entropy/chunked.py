@@ -46,6 +46,7 @@ from .rows import (
     target_logits,
     unnormalized_grad_applies,
 )
+from .vocab_parallel import ShardRowPass, VocabShard, all_reduce_sum, shard_labels
 
 # Default size of the logits buffer: 256 MiB, but never fewer than 1024 token rows. cuBLAS runs
 # the three GEMM shapes near its full-size rate from about 1024 rows (K of the dW GEMM, M of the
@@ -365,6 +366,8 @@ class ChunkedOptions:
     or None for per-token outputs. needs_grad: whether (hidden, weight, bias) get gradients. want:
     whether to compute (entropy, is_top1, mean_logit, log_sum_sq). chunk_size: rows per chunk, None for the default.
     skip_ignored / num_valid_tokens: process the valid rows only (see :func:`checks.selected_rows`).
+    shard: the weight is this rank's shard of a vocabulary split across a process group (vocab_parallel.py;
+    ``transform.vocab_size`` is then the whole vocabulary's size, and ``want`` all False).
     """
 
     transform: LogitTransform
@@ -376,6 +379,7 @@ class ChunkedOptions:
     skip_ignored: bool = False
     num_valid_tokens: int | None = None
     precompute_grad: bool = False
+    shard: VocabShard | None = None
 
 
 class ForwardOutputs(NamedTuple):
@@ -435,16 +439,18 @@ def chunked_forward(
 
 
 def _chunked_forward(hidden, weight, bias, labels, num_items, options: ChunkedOptions) -> ForwardOutputs:
-    transform, use_triton = options.transform, options.use_triton
+    transform, use_triton, shard = options.transform, options.use_triton, options.shard
     labels = labels.contiguous()  # the row kernels index labels by row
     vocab_size = weight.shape[0]
-    check_labels(labels, vocab_size, transform.ignore_index)
+    check_labels(labels, vocab_size if shard is None else shard.total, transform.ignore_index)
     valid = labels != transform.ignore_index
     row_index = None
     if options.skip_ignored or options.num_valid_tokens is not None:
         row_index = selected_rows(valid, options.num_valid_tokens)
     acc_dtype = stats_dtype(hidden.dtype)
     reduce_scale = _reduce_scale(options.reduction, valid.sum(), num_items, acc_dtype)
+    if shard is not None:  # from here on, labels are ids of the local shard (vocab_parallel.py)
+        labels = shard_labels(labels, shard, vocab_size, transform.ignore_index)
 
     total_rows = hidden.shape[0]
     num_rows = total_rows if row_index is None else row_index.shape[0]
@@ -481,16 +487,21 @@ def _chunked_forward(hidden, weight, bias, labels, num_items, options: ChunkedOp
     )
     # The buffer holds logits rounded to the compute dtype; the loss reads the target logit once
     # more in fp32 so that rounding does not reach it (fp32 and fp64 buffers need no second look).
+    # A vocabulary shard needs the target logit of the labels it owns in every dtype (vocab_parallel.py).
     target_raw = None
-    if hidden.dtype in (torch.float16, torch.bfloat16):
+    if hidden.dtype in (torch.float16, torch.bfloat16) or shard is not None:
         target_raw = target_logits(hidden, weight, bias, labels, use_triton, row_index)
     buffer = torch.empty(min(chunk_rows, max(num_rows, 1)), vocab_size, dtype=hidden.dtype, device=device)
+    shard_pass = None
+    if shard is not None:
+        shard_pass = ShardRowPass(shard, transform, buffer.shape[0], use_triton, hidden.dtype, device)
     gathered = _gather_buffer(hidden, row_index, buffer.shape[0], grads)
     # The one-pass gradient (rows to be scaled by row_factor) where the kernel has it (softcap)
     # and only dh is computed (a frozen W, as under LoRA); log_sum_sq needs the two-pass kernel.
     row_factor = None
     if (
-        not want_log_sum_sq
+        shard is None
+        and not want_log_sum_sq
         and grads is not None
         and grads.takes_row_factor
         and unnormalized_grad_applies(transform, hidden.dtype, use_triton)
@@ -506,16 +517,13 @@ def _chunked_forward(hidden, weight, bias, labels, num_items, options: ChunkedOp
         chunk_out = RowOutputs(*(None if t is None else t[start:stop] for t in vars(out).values()))
         chunk_target = target_raw[start:stop] if target_raw is not None else None
         chunk_factor = row_factor[: stop - start] if row_factor is not None else None
-        chunk_stats(
-            raw,
-            row_labels[start:stop],
-            transform,
-            chunk_out,
-            grad_scale if grad_in_forward else None,
-            use_triton,
-            chunk_target,
-            chunk_factor,
-        )
+        chunk_scale = grad_scale if grad_in_forward else None
+        if shard_pass is not None:
+            shard_pass.run(raw, row_labels[start:stop], chunk_out, chunk_target, chunk_scale)
+        else:
+            chunk_stats(
+                raw, row_labels[start:stop], transform, chunk_out, chunk_scale, use_triton, chunk_target, chunk_factor
+            )
         if grads is not None:
             grads.add(raw, hidden_chunk, rows, chunk_factor)
     del buffer, gathered, row_factor
@@ -525,6 +533,8 @@ def _chunked_forward(hidden, weight, bias, labels, num_items, options: ChunkedOp
     computed = None
     if grads is not None:
         computed = grads.results(weight.dtype, bias.dtype if bias is not None else None)
+        if shard is not None and computed[0] is not None:
+            all_reduce_sum(computed[0], shard)  # dh: the sum of every shard's G_r @ W_r
     return ForwardOutputs(
         loss=out.loss.sum() * reduce_scale if scalar_loss else out.loss,
         entropy=out.entropy,
@@ -555,11 +565,14 @@ def chunked_backward(
     transform: LogitTransform,
     chunk_rows: int,
     use_triton: bool,
+    shard: VocabShard | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """Gradients of per-token outputs by recomputing each chunk's logits (8*N*V*D FLOPs in all).
 
     ``row_labels``, ``lse`` and ``entropy`` are of the processed rows (``row_index``, or all);
     ``grad_loss`` and ``grad_entropy`` (None: no gradient) are of all N rows. Returns (dh, dw, db).
+    With ``shard``, ``row_labels`` are shard ids, ``lse`` the whole vocabulary's, and dh is summed
+    over the shard's group.
     """
     with torch.autocast(hidden.device.type, enabled=False):
         if row_index is not None:  # only the processed rows have gradients
@@ -595,7 +608,10 @@ def chunked_backward(
                 grads.add(raw, hidden_chunk, rows)
         elif grads.dh is not None:
             grads.dh.zero_()
-        return grads.results(weight.dtype, bias.dtype if bias is not None else None)
+        dh, dw, db = grads.results(weight.dtype, bias.dtype if bias is not None else None)
+        if shard is not None and dh is not None:
+            all_reduce_sum(dh, shard)
+        return dh, dw, db
 
 
 def _refuse_double_backward() -> None:
@@ -628,6 +644,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         ctx.transform = options.transform
         ctx.chunk_rows = result.chunk_rows
         ctx.use_triton = options.use_triton
+        ctx.shard = options.shard
         scalar_loss = ctx.scalar_loss = options.reduction is not None
         ctx.backward_done = False
 
@@ -702,5 +719,6 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             ctx.transform,
             ctx.chunk_rows,
             ctx.use_triton,
+            ctx.shard,
         )
         return dh, dw, db, None, None, None

@@ -11,6 +11,7 @@ from .checks import check_int, check_real, fail
 from .chunked import ChunkedOptions, LinearCrossEntropyFunction
 from .custom_op import compiled_linear_cross_entropy
 from .rows import LogitTransform, triton_usable
+from .vocab_parallel import VocabShard, check_shard, is_dtensor, unwrap_dtensors
 
 _REDUCTIONS = ("mean", "sum", "none")
 _BACKENDS = ("auto", "triton", "torch")
@@ -156,11 +157,37 @@ def _compute_dtype(hidden, weight, bias) -> tuple[torch.Tensor, torch.Tensor, to
     return hidden, weight, bias
 
 
-def _run(
+def _run(hidden, weight, labels, *, vocab_shard=None, **kwargs):
+    """The op on local tensors (:func:`_run_chunked`), or its vocabulary-parallel form for a weight
+    sharded along the vocabulary: a DTensor (tensor parallelism) or a local shard with ``vocab_shard``."""
+    if vocab_shard is not None or any(is_dtensor(t) for t in (hidden, weight, kwargs["bias"], labels)):
+        return _run_vocab_parallel(hidden, weight, labels, vocab_shard, kwargs)
+    return _run_chunked(hidden, weight, labels, shard=None, **kwargs)
+
+
+@torch.compiler.disable
+def _run_vocab_parallel(hidden, weight, labels, vocab_shard, kwargs):
+    """DTensors unwrapped into local tensors and their :class:`VocabShard` (see vocab_parallel.py). Runs
+    eagerly, a graph break under ``torch.compile``: each chunk exchanges statistics across the group."""
+    if any(kwargs["want"]):
+        fail(
+            "entropy, is_top1, mean_logits and log_sum_sq_probs are not supported with a vocabulary-sharded "
+            "weight (tensor parallelism); the loss and log-probabilities are"
+        )
+    hidden, weight, bias, labels, shard = unwrap_dtensors(hidden, weight, kwargs["bias"], labels)
+    if vocab_shard is not None:
+        if shard is not None:
+            fail("vocab_shard was given for a DTensor weight, which carries its own sharding; pass one or the other")
+        shard = vocab_shard
+    return _run_chunked(hidden, weight, labels, shard=shard, **{**kwargs, "bias": bias})
+
+
+def _run_chunked(
     hidden,
     weight,
     labels,
     *,
+    shard,
     bias,
     ignore_index,
     softcap,
@@ -180,8 +207,11 @@ def _run(
 ):
     """Checks, casts, shifts and flattens the inputs, then runs the chunked op: the autograd Function
     in eager mode, the custom operator under ``torch.compile`` (see custom_op.py).
-    ``reduction``: "mean", "sum", "items" or None (per-token outputs)."""
+    ``reduction``: "mean", "sum", "items" or None (per-token outputs). ``shard``: the weight's
+    :class:`VocabShard`, or None for a whole vocabulary."""
     _check_inputs(hidden, weight, bias, labels)
+    if shard is not None:
+        check_shard(shard, weight.shape[0])
     check_int("ignore_index", ignore_index)
     check_real("softcap", softcap, positive=True, allow_none=True)
     check_real("logit_scale", logit_scale)
@@ -219,7 +249,7 @@ def _run(
         label_smoothing=float(label_smoothing),
         z_loss=float(z_loss),
     )
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() and shard is None:
         outputs = compiled_linear_cross_entropy(
             hidden_2d,
             weight,
@@ -238,7 +268,7 @@ def _run(
         )
     else:
         options = ChunkedOptions(
-            transform=LogitTransform(**settings),
+            transform=LogitTransform(**settings, vocab_size=shard.total if shard is not None else None),
             reduction=reduction,
             use_triton=use_triton,
             needs_grad=needs_grad,
@@ -247,6 +277,7 @@ def _run(
             skip_ignored=skip_ignored,
             num_valid_tokens=num_valid_tokens,
             precompute_grad=precompute_grad,
+            shard=shard,
         )
         outputs = LinearCrossEntropyFunction.apply(hidden_2d, weight, bias, labels, num_items, options)
     loss, *per_token = outputs
@@ -275,6 +306,7 @@ def fused_linear_cross_entropy(
     deterministic: bool = False,
     skip_ignored: bool = False,
     num_valid_tokens: int | None = None,
+    vocab_shard: VocabShard | None = None,
 ) -> torch.Tensor:
     """Cross-entropy of ``hidden @ weight.T + bias`` against ``labels`` without materializing the logits.
 
@@ -306,6 +338,14 @@ def fused_linear_cross_entropy(
             to avoid it. Same result up to the order of floating-point sums.
         num_valid_tokens: the number of labels that are not ``ignore_index`` (after ``shift``), when
             the caller knows it; implies ``skip_ignored`` without the sync. Checked on the device.
+        vocab_shard: ``weight`` (and ``bias``) hold rows ``[start, start + V_local)`` of a vocabulary of
+            ``total`` ids split across ``group`` (tensor parallelism, Megatron-style); see
+            :class:`VocabShard`. Every rank of the group calls the op with the same hidden states and
+            labels (global ids) and gets the whole vocabulary's loss; the gradient of ``hidden`` is the
+            full one (summed over the group), ``weight``'s that of its shard. A ``torch.distributed``
+            DTensor weight sharded along the vocabulary (``Shard(0)``, as transformers' ``tp_plan``
+            makes the LM head) takes this path by itself, and a DTensor ``hidden`` (sequence
+            parallelism) is gathered first. Runs eagerly (a graph break under ``torch.compile``).
 
     Returns:
         fp32 0-d loss (or per-token losses for reduction="none"). A batch whose labels are all ignored
@@ -339,6 +379,7 @@ def fused_linear_cross_entropy(
         want=(False, False, False, False),
         skip_ignored=skip_ignored,
         num_valid_tokens=num_valid_tokens,
+        vocab_shard=vocab_shard,
     )
     return loss
 
@@ -363,6 +404,7 @@ def fused_linear_log_probs(
     skip_ignored: bool = False,
     num_valid_tokens: int | None = None,
     precompute_grad: bool = False,
+    vocab_shard: VocabShard | None = None,
 ) -> TokenOutputs:
     """Per-token target log-probabilities (and optionally entropy, argmax match, the mean logit and
     ``log(sum p**2)``) without the logits, all from the same pass over each chunk's logits.
@@ -382,6 +424,9 @@ def fused_linear_log_probs(
     without gradient: the forward then also computes the gradients of that reduction (6*N*V*D FLOPs in
     all, like the scalar loss), and the backward checks the upstream gradient (one host sync) and only
     rescales them. Any other upstream gradient falls back to the recompute, correct but at 14*N*V*D.
+
+    ``vocab_shard``, or a DTensor ``weight`` sharded along the vocabulary (tensor parallelism): as in
+    :func:`fused_linear_cross_entropy`, for ``log_probs``; the other outputs are refused there.
 
     Shapes: hidden [N, D] or [B, T, D]; labels [N] or [B, T]; every output is shaped like labels.
     """
@@ -412,6 +457,7 @@ def fused_linear_log_probs(
         skip_ignored=skip_ignored,
         num_valid_tokens=num_valid_tokens,
         precompute_grad=precompute_grad,
+        vocab_shard=vocab_shard,
     )
     return TokenOutputs(
         log_probs=-loss,

@@ -391,6 +391,7 @@ def _grad_kernel(
     grad_loss_ptr,
     grad_entropy_ptr,
     vocab_size,
+    smoothing_vocab_size,
     ignore_index,
     logit_scale,
     softcap,
@@ -424,8 +425,8 @@ def _grad_kernel(
         if HAS_Z_LOSS:
             p_scale = 1.0 + 2.0 * z_loss * lse
         grad_loss = p * p_scale - tl.where(cols == label, 1.0 - label_smoothing, 0.0)
-        if HAS_SMOOTHING:
-            grad_loss -= label_smoothing / vocab_size
+        if HAS_SMOOTHING:  # eps spread over the whole vocabulary (more than this buffer's for a shard)
+            grad_loss -= label_smoothing / smoothing_vocab_size
         grad += grad_loss * tl.load(grad_loss_ptr + row).to(tl.float32)
     if HAS_ENTROPY_GRAD:
         entropy = tl.load(entropy_ptr + row)

@@ -56,6 +56,9 @@ class LogitTransform:
     temperature: float = 1.0
     label_smoothing: float = 0.0
     z_loss: float = 0.0
+    # The whole vocabulary's size when the buffer holds one shard of it (vocab-parallel, see
+    # vocab_parallel.py): label smoothing spreads eps over all of it. None: the buffer's width.
+    vocab_size: int | None = None
 
 
 @dataclass
@@ -87,7 +90,8 @@ def stats_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _final_logits(raw: torch.Tensor, transform: LogitTransform) -> tuple[torch.Tensor, torch.Tensor | None]:
+def final_logits(raw: torch.Tensor, transform: LogitTransform) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Final logits ``z`` of raw GEMM outputs in fp32 (fp64 for fp64), and ``tanh`` (None without softcap)."""
     u = raw.to(stats_dtype(raw.dtype)) * transform.logit_scale
     tanh = None
     if transform.softcap is not None:
@@ -108,21 +112,24 @@ def _raw_grad_factor(transform: LogitTransform, tanh: torch.Tensor | None, grad_
 def _torch_chunk_stats(
     raw, labels, transform, out: RowOutputs, grad_scale: torch.Tensor | None, target_raw: torch.Tensor | None
 ) -> None:
-    z, tanh = _final_logits(raw, transform)
+    z, tanh = final_logits(raw, transform)
     vocab_size = z.shape[1]
     valid = labels != transform.ignore_index
-    safe_labels = torch.where(valid, labels, 0).unsqueeze(1)
+    # A valid label outside [0, V) has no logit in this buffer (a vocabulary shard that does not own
+    # it): its target logit counts as 0 and gets no one-hot gradient term, as in the kernels.
+    in_row = valid & (labels >= 0) & (labels < vocab_size)
+    safe_labels = torch.where(in_row, labels, 0).unsqueeze(1)
     lse = torch.logsumexp(z, dim=1)
-    target_z = z.gather(1, safe_labels).squeeze(1)
+    target_z = torch.where(in_row, z.gather(1, safe_labels).squeeze(1), 0.0)
     loss_lse, loss_target_z = lse, target_z
     if target_raw is not None:  # swap the rounded target logit for the fp32 one (see kernels.py)
-        exact_z, _ = _final_logits(target_raw, transform)
+        exact_z, _ = final_logits(target_raw, transform)
         row_max = z.max(dim=1).values
         exact_sum = (torch.exp(lse - row_max) - torch.exp(target_z - row_max)).clamp(min=0) + torch.exp(
             exact_z - row_max
         )
-        loss_lse = torch.where(valid, row_max + torch.log(exact_sum), lse)
-        loss_target_z = torch.where(valid, exact_z, target_z)
+        loss_lse = torch.where(in_row, row_max + torch.log(exact_sum), lse)
+        loss_target_z = torch.where(in_row, exact_z, target_z)
     loss = loss_lse - loss_target_z
     if transform.label_smoothing or out.mean_logit is not None:
         mean_z = z.mean(dim=1)
@@ -146,15 +153,16 @@ def _torch_chunk_stats(
         grad = torch.exp(z - lse.unsqueeze(1))
         if transform.z_loss:
             grad.mul_((1.0 + 2.0 * transform.z_loss * lse).unsqueeze(1))
-        grad.scatter_add_(1, safe_labels, torch.full_like(target_z, -(1.0 - transform.label_smoothing)).unsqueeze(1))
+        one_hot = in_row.to(grad.dtype) * -(1.0 - transform.label_smoothing)
+        grad.scatter_add_(1, safe_labels, one_hot.unsqueeze(1))
         if transform.label_smoothing:
-            grad.sub_(transform.label_smoothing / vocab_size)
+            grad.sub_(transform.label_smoothing / (transform.vocab_size or vocab_size))
         grad.mul_(torch.where(valid, grad_scale, 0.0).unsqueeze(1))
         raw.copy_(_raw_grad_factor(transform, tanh, grad))
 
 
 def _torch_chunk_grad(raw, labels, transform, lse, entropy, grad_loss, grad_entropy) -> None:
-    z, tanh = _final_logits(raw, transform)
+    z, tanh = final_logits(raw, transform)
     valid = labels != transform.ignore_index
     p = torch.exp(z - lse.unsqueeze(1))
     grad = torch.zeros_like(z)
@@ -162,10 +170,11 @@ def _torch_chunk_grad(raw, labels, transform, lse, entropy, grad_loss, grad_entr
         row_grad = grad_loss.to(z.dtype).unsqueeze(1)
         p_scale = 1.0 + 2.0 * transform.z_loss * lse.unsqueeze(1) if transform.z_loss else 1.0
         grad += p * p_scale * row_grad
-        safe_labels = torch.where(valid, labels, 0).unsqueeze(1)
-        grad.scatter_add_(1, safe_labels, -(1.0 - transform.label_smoothing) * row_grad)
+        in_row = valid & (labels >= 0) & (labels < z.shape[1])  # see _torch_chunk_stats
+        safe_labels = torch.where(in_row, labels, 0).unsqueeze(1)
+        grad.scatter_add_(1, safe_labels, -(1.0 - transform.label_smoothing) * row_grad * in_row.unsqueeze(1))
         if transform.label_smoothing:
-            grad -= (transform.label_smoothing / z.shape[1]) * row_grad
+            grad -= (transform.label_smoothing / (transform.vocab_size or z.shape[1])) * row_grad
     if grad_entropy is not None:
         grad -= p * (z - lse.unsqueeze(1) + entropy.unsqueeze(1)) * grad_entropy.to(z.dtype).unsqueeze(1)
     grad.mul_(valid.unsqueeze(1))
@@ -279,6 +288,7 @@ def _triton_chunk_grad(raw, labels, transform, lse, entropy, grad_loss, grad_ent
         grad_loss if grad_loss is not None else lse,
         grad_entropy if grad_entropy is not None else lse,
         vocab_size,
+        transform.vocab_size or vocab_size,
         HAS_LOSS_GRAD=grad_loss is not None,
         HAS_ENTROPY_GRAD=grad_entropy is not None,
         BLOCK_V=block_v,
@@ -324,7 +334,12 @@ def chunk_stats(
     ignored rows; with ``row_factor`` too (fp32 [C], Triton only, where
     :func:`unnormalized_grad_applies`), in one pass instead of two: ``raw`` then holds that gradient
     divided row by row by ``row_factor``, which the kernel fills. ``target_raw`` (fp32 [C], from
-    :func:`target_logits`) replaces the buffer's rounded target logit in the loss (not in the gradient)."""
+    :func:`target_logits`) replaces the buffer's rounded target logit in the loss (not in the gradient).
+    A row whose valid label lies outside [0, V) (a vocabulary shard's row) gets a target logit of 0."""
+    if transform.vocab_size is not None and transform.label_smoothing:
+        raise ValueError(
+            "chunk_stats: a vocabulary shard's smoothed loss is assembled across shards (vocab_parallel.py)"
+        )
     if use_triton:
         _triton_chunk_stats(raw, labels, transform, out, grad_scale, target_raw, row_factor)
     else:
@@ -341,13 +356,13 @@ def target_logits(
     use_triton: bool,
     row_index: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """fp32 ``hidden[i] . weight[labels[i]] (+ bias)`` for every row i [N], or for the rows of
+    """fp32 (fp64 for fp64) ``hidden[i] . weight[labels[i]] (+ bias)`` for every row i [N], or for the rows of
     ``row_index`` [M]; 0 where the label is outside [0, V) (ignored rows). 2*N*D FLOPs and N weight
     rows read: negligible next to the GEMMs."""
     hidden_size = hidden.shape[1]
     num_rows = hidden.shape[0] if row_index is None else row_index.shape[0]
     vocab_size = weight.shape[0]
-    out = torch.empty(num_rows, dtype=torch.float32, device=hidden.device)
+    out = torch.empty(num_rows, dtype=stats_dtype(hidden.dtype), device=hidden.device)
     if num_rows == 0:
         return out
     if use_triton:
@@ -378,10 +393,10 @@ def target_logits(
     # A row-wise dot product in fp32, a few thousand rows at a time to bound the fp32 copies.
     for start in range(0, num_rows, 4096):
         stop = min(start + 4096, num_rows)
-        rows_weight = weight[safe_labels[start:stop]].float()
-        value = (hidden[start:stop].float() * rows_weight).sum(dim=1)
+        rows_weight = weight[safe_labels[start:stop]].to(out.dtype)
+        value = (hidden[start:stop].to(out.dtype) * rows_weight).sum(dim=1)
         if bias is not None:
-            value += bias[safe_labels[start:stop]].float()
+            value += bias[safe_labels[start:stop]].to(out.dtype)
         out[start:stop] = torch.where(in_range[start:stop], value, 0.0)
     return out
 

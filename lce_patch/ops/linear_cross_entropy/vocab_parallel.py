@@ -1,0 +1,214 @@
+"""The vocabulary-parallel form of the fused loss, for a head split along the vocabulary (tensor parallelism).
+
+Design note
+-----------
+Under tensor parallelism the LM head's weight ``W`` [V, D] is split along the vocabulary: rank r of a
+group of R holds rows ``[start_r, start_r + V_r)`` (and the bias's), and every rank holds the same
+hidden states [N, D] and labels [N]. A token's loss needs its whole row of logits only through three
+numbers, each a reduction over the vocabulary that splits into per-shard parts:
+
+    lse = logsumexp_r(lse_r),   z_y = sum_r z_y,r (only the shard that owns y has it),
+    sum_z = sum_r sum_z,r (label smoothing),
+    loss = lse - (1 - eps) * z_y - eps * sum_z / V + z_loss * lse**2.
+
+Each rank runs the single-GPU machinery of ``chunked.py`` over its shard, chunk by chunk: the GEMM into
+a ``[C, V_r]`` buffer, then the statistics kernel with the labels mapped into the shard (a label the
+shard does not own becomes an out-of-range id that counts as no target, so no column matches it),
+plus the target logit in fp32 from its weight row where the shard owns it. One all-gather of a
+``[4, C]`` fp32 block per chunk gives every rank every shard's parts, which each rank merges in the
+same order: all ranks compute the same loss, bit for bit. With the merged ``lse`` each rank overwrites
+its buffer with its columns of the logits gradient (``eps / V`` over the whole vocabulary), computes
+its dW (and dbias) shard from them, and its part ``G_r @ W_r`` of dh; one all-reduce over the group
+sums dh's parts, so every rank gets the full gradient of its (replicated) hidden states.
+
+No rank holds more than its ``[C, V_r]`` buffer of logits or more than its weight shard; the
+unfused tensor-parallel head instead gathers the whole ``[N, V]`` logits on every rank. FLOPs per rank:
+6 * N * V_r * D for a scalar loss (the gradient computed in the forward, as on one GPU), 8 for
+per-token losses (recomputed in the backward). Communication: 16 * R bytes per token (statistics) and
+one all-reduce of dh ([N, D]), which the unfused head's backward performs too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .checks import fail
+from .rows import LogitTransform, RowOutputs, chunk_grad, chunk_stats, final_logits, stats_dtype
+
+
+@dataclass(frozen=True)
+class VocabShard:
+    """This rank's part of a vocabulary split across a process group.
+
+    start: the vocabulary id of the local weight's first row; total: the whole vocabulary's size V;
+    group: the ``torch.distributed`` process group the vocabulary is split over (None: the default
+    group). The local weight holds rows ``[start, start + V_local)``; the shards of the group's ranks
+    must tile ``[0, total)`` exactly, and hidden states and labels must be the same on every rank.
+    """
+
+    start: int
+    total: int
+    group: Any = None
+
+
+def is_dtensor(tensor: Any) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # torch built without distributed
+        return False
+    return isinstance(tensor, DTensor)
+
+
+def check_shard(shard: VocabShard, local_vocab: int) -> None:
+    if not isinstance(shard, VocabShard):
+        fail(f"vocab_shard must be a VocabShard, got {type(shard).__name__}")
+    for name in ("start", "total"):
+        value = getattr(shard, name)
+        if isinstance(value, bool) or not isinstance(value, int):
+            fail(f"vocab_shard.{name} must be an int, got {value!r}")
+    if shard.start < 0 or shard.start + local_vocab > shard.total:
+        fail(
+            f"vocab_shard rows [{shard.start}, {shard.start + local_vocab}) (the weight's {local_vocab} rows from "
+            f"start={shard.start}) do not lie inside the vocabulary [0, {shard.total})"
+        )
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        fail("a vocabulary-sharded weight needs an initialized torch.distributed process group")
+
+
+def _vocab_dim_of(placements: tuple, what: str) -> int:
+    """The mesh dimension along which a DTensor is sharded on its dim 0; every other one must replicate it."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    shard_dims = [i for i, p in enumerate(placements) if isinstance(p, Shard)]
+    others_replicate = all(isinstance(p, Replicate) for i, p in enumerate(placements) if i not in shard_dims)
+    if len(shard_dims) != 1 or placements[shard_dims[0]].dim != 0 or not others_replicate:
+        fail(
+            f"the {what} is a DTensor with placements {placements}; the vocabulary-parallel loss supports a weight "
+            "sharded along the vocabulary (Shard(0)) on one mesh dimension and replicated on any other"
+        )
+    return shard_dims[0]
+
+
+def unwrap_dtensors(
+    hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, labels: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor, VocabShard | None]:
+    """Local tensors and the :class:`VocabShard` of a vocab-sharded DTensor ``weight`` (the tensor-parallel
+    head); ``shard`` is None when ``weight`` is a plain tensor. Differentiable: the local weight's
+    gradient returns to the DTensor as its shard. A DTensor ``hidden`` (sharded on the sequence under
+    sequence parallelism, or partial) is gathered into the replicated layout the loss needs."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    if isinstance(labels, DTensor):
+        labels = labels.full_tensor()
+    if isinstance(hidden, DTensor):
+        hidden = hidden.redistribute(placements=[Replicate()] * hidden.device_mesh.ndim).to_local()
+    if not isinstance(weight, DTensor):
+        if isinstance(bias, DTensor):
+            fail("the bias is a DTensor but the weight is not; shard both along the vocabulary, or neither")
+        return hidden, weight, bias, labels, None
+    mesh_dim = _vocab_dim_of(weight.placements, "weight")
+    mesh = weight.device_mesh
+    if bias is not None:
+        if not isinstance(bias, DTensor) or bias.placements != weight.placements or bias.device_mesh != mesh:
+            fail(f"the bias must be sharded like the weight (a DTensor with placements {weight.placements})")
+        bias = bias.to_local()
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    _, offset = compute_local_shape_and_global_offset(weight.shape, mesh, weight.placements)
+    shard = VocabShard(start=int(offset[0]), total=int(weight.shape[0]), group=mesh.get_group(mesh_dim))
+    return hidden, weight.to_local(), bias, labels, shard
+
+
+def shard_labels(labels: torch.Tensor, shard: VocabShard, local_vocab: int, ignore_index: int) -> torch.Tensor:
+    """Labels as ids of the local shard: ``label - start`` where the shard owns it, ``ignore_index`` where
+    ignored, and an out-of-range id that is not ``ignore_index`` (a valid row without a target here)."""
+    not_owned = -1 if ignore_index != -1 else -2
+    local = labels - shard.start
+    owned = (local >= 0) & (local < local_vocab)
+    return torch.where(owned, local, torch.where(labels == ignore_index, ignore_index, not_owned))
+
+
+def all_reduce_sum(tensor: torch.Tensor, shard: VocabShard) -> None:
+    import torch.distributed as dist
+
+    dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=shard.group)
+
+
+class ShardRowPass:
+    """The row pass of one vocabulary shard: local statistics, their exchange, the merged loss and lse,
+    and this shard's columns of the gradient (see the module's design note).
+
+    ``transform.vocab_size`` is the whole vocabulary's size. One instance serves every chunk of a call.
+    """
+
+    # Rows of the exchanged block (fp32; fp64 for fp64 inputs): local lse of the buffer, local lse with
+    # the exact target swapped in, the target's final logit (0 where not owned), the sum of the final
+    # logits (label smoothing).
+    _LSE, _LOSS_LSE, _TARGET, _SUM_Z = range(4)
+
+    def __init__(
+        self, shard: VocabShard, transform: LogitTransform, max_rows: int, use_triton: bool, dtype, device
+    ) -> None:
+        self.shard = shard
+        self.transform = transform
+        self.use_triton = use_triton
+        # Statistics of the shard alone: no smoothing or z-loss, which need the merged values.
+        self.local_transform = dataclasses.replace(transform, label_smoothing=0.0, z_loss=0.0, vocab_size=None)
+        self.local = torch.zeros(4, max_rows, dtype=stats_dtype(dtype), device=device)
+        self.grad_rows = None
+
+    def run(
+        self,
+        raw: torch.Tensor,
+        labels: torch.Tensor,
+        out: RowOutputs,
+        target_raw: torch.Tensor,
+        grad_scale: torch.Tensor | None,
+    ) -> None:
+        """Fill ``out.loss`` and ``out.lse`` [C] with the whole vocabulary's values for the chunk's rows;
+        with ``grad_scale`` (0-d, the reduction factor) overwrite ``raw`` [C, V_r] with this shard's
+        columns of the gradient. ``labels``: the chunk's labels as shard ids (:func:`shard_labels`);
+        ``target_raw``: their fp32 raw target logits (0 where not owned, from ``target_logits``)."""
+        import torch.distributed as dist
+
+        rows, local_vocab = raw.shape
+        local = self.local[:, :rows]
+        smoothing = self.transform.label_smoothing != 0.0
+        part = RowOutputs(
+            loss=local[self._LOSS_LSE], lse=local[self._LSE], mean_logit=local[self._SUM_Z] if smoothing else None
+        )
+        chunk_stats(raw, labels, self.local_transform, part, None, self.use_triton, target_raw)
+        owned = (labels >= 0) & (labels < local_vocab)
+        exact_z = torch.where(owned, final_logits(target_raw, self.transform)[0].to(local.dtype), 0.0)
+        # Without smoothing or z-loss the local loss is (lse with the exact target swapped in) - z_y, and
+        # z_y = 0 where the shard does not own the label: adding z_y back gives that lse.
+        local[self._LOSS_LSE] += exact_z
+        local[self._TARGET] = exact_z
+        if smoothing:
+            local[self._SUM_Z] *= local_vocab  # the kernel's mean over the shard -> its sum
+        world = dist.get_world_size(self.shard.group)
+        parts = [torch.empty_like(local) for _ in range(world)]
+        dist.all_gather(parts, local.contiguous(), group=self.shard.group)
+        merged = torch.stack(parts)  # [R, 4, C]
+        lse = torch.logsumexp(merged[:, self._LSE], dim=0)
+        loss_lse = torch.logsumexp(merged[:, self._LOSS_LSE], dim=0)
+        target_z = merged[:, self._TARGET].sum(dim=0)
+        eps = self.transform.label_smoothing
+        loss = loss_lse - (1.0 - eps) * target_z
+        if smoothing:
+            loss = loss - eps * merged[:, self._SUM_Z].sum(dim=0) / self.transform.vocab_size
+        if self.transform.z_loss:
+            loss = loss + self.transform.z_loss * loss_lse * loss_lse
+        valid = labels != self.transform.ignore_index
+        out.loss.copy_(torch.where(valid, loss, 0.0))
+        out.lse.copy_(lse)
+        if grad_scale is not None:
+            if self.grad_rows is None:  # the reduction factor per row, as the grad kernel reads it
+                self.grad_rows = grad_scale.to(local.dtype).expand(self.local.shape[1]).contiguous()
+            chunk_grad(raw, labels, self.transform, out.lse, None, self.grad_rows[:rows], None, self.use_triton)

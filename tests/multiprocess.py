@@ -1,0 +1,46 @@
+"""Run a test body on several CPU processes joined by a gloo process group (torch.distributed).
+
+``run_ranks(fn, world_size, *args)`` spawns ``world_size`` processes, each of which initializes the
+default group with the gloo backend and calls ``fn(rank, world_size, *args)``. An exception on any rank
+fails the calling test with that rank's traceback. ``fn`` must be importable (a module-level function).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, port: int, fn: Callable[..., Any], args: tuple) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+    )
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    try:
+        fn(rank, world_size, *args)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any) -> None:
+    """``fn(rank, world_size, *args)`` on ``world_size`` spawned processes (gloo); raises on any failure."""
+    mp.start_processes(_worker, args=(world_size, _free_port(), fn, args), nprocs=world_size, start_method="spawn")
