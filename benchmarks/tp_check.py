@@ -8,13 +8,15 @@ Two parts, run under torchrun (keep NVLink multicast off on shared hosts):
 ``--part op``: every rank holds a vocabulary shard of a real head (Llama-3.2-1B: D=2048, V=128256;
 Gemma-2-2B: D=2304, V=256000, softcap 30) and calls ``fused_linear_cross_entropy(..., vocab_shard=...)``
 in bf16 on the Triton kernels; its loss, dh and dW shard are compared with the same op on the whole
-weight in one process (and the loss with an fp32 unfused reference). ``--same-device`` puts every
-rank on cuda:0 with the gloo backend (a check of the kernels on one GPU; no timing).
+weight in one process (and the loss with an fp32 unfused reference).
 
 ``--part model``: a model of the chosen shape (random weights, bf16, ``--layers`` decoder layers) saved
 once and loaded by every rank with ``tp_plan="auto"`` (the LM head vocab-sharded), then one training
 step (forward + backward) unpatched and patched on the same batch: losses and every gradient compared
 (bf16 noise), per-rank peak memory above the model and median step time. Needs one GPU per rank.
+
+``--same-device`` puts every rank on cuda:0 with the gloo backend: a check of the values on one GPU
+(its times and memory mean nothing).
 
 Rank 0 prints a table and writes JSON to ``--out`` (default ``$OUT`` or runs/tp_check); exit 1 on FAIL.
 """
@@ -57,7 +59,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--seq-len", type=int, default=2048, help="model part: tokens per sequence")
     parser.add_argument("--layers", type=int, default=4, help="model part: decoder layers")
     parser.add_argument("--steps", type=int, default=5, help="model part: timed steps per variant")
-    parser.add_argument("--same-device", action="store_true", help="op part: all ranks on cuda:0 over gloo")
+    parser.add_argument(
+        "--same-device", action="store_true", help="all ranks on cuda:0 over gloo (checks values; no timing)"
+    )
     parser.add_argument("--out", default=os.environ.get("OUT") or str(REPO / "runs" / "tp_check"))
     return parser.parse_args(argv)
 
@@ -190,6 +194,8 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     device = torch.device("cuda", 0 if args.same_device else local_rank)
+    if args.same_device:
+        os.environ["LOCAL_RANK"] = "0"  # transformers' TP loading binds cuda:LOCAL_RANK
     torch.cuda.set_device(device)
     dist.init_process_group("gloo" if args.same_device else "nccl")
     rank, world = dist.get_rank(), dist.get_world_size()
