@@ -25,6 +25,10 @@ Rows whose label is ignored can be left out (``row_index``: the rows to process)
 gathers its rows of hidden (into a stretch of dh that holds no finished row yet, when dh is
 computed), dh is scattered back, and per-row outputs are placed among zeros.
 
+With ``ChunkedOptions.shard`` the weight is one rank's shard of a vocabulary split across a process
+group: the row pass becomes vocab_parallel.py's (statistics exchanged per chunk, the gradient formed
+with the whole vocabulary's log-sum-exp), labels become shard ids, and dh is summed over the group.
+
 Memory above inputs and gradients: the one logits buffer plus O(N) fp32 vectors.
 """
 
