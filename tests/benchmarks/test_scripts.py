@@ -21,12 +21,18 @@ SCRIPTS = [
     "e2e_train.py",
     "convergence.py",
     "multi_gpu_check.py",
+    "tp_check.py",
     "sanitize.py",
 ]
+# DeepSpeed for the ZeRO checks on CPU, installed apart from the test environment (.ci/run puts it here):
+# importing it changes what transformers and accelerate do elsewhere, so only the launched check sees it.
+DEEPSPEED_SITE = Path(os.environ.get("LCE_TEST_DEEPSPEED_SITE", BENCHMARKS.parent / ".ci-deps" / "deepspeed"))
 
 
-def _run(args: list[str], tmp_path: Path, timeout: int = 300) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(BENCHMARKS.parent), "OUT": str(tmp_path)}
+def _run(
+    args: list[str], tmp_path: Path, timeout: int = 300, env_extra: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(BENCHMARKS.parent), "OUT": str(tmp_path), **(env_extra or {})}
     env.pop("TRITON_INTERPRET", None)  # CPU runs take the torch backend, as a user's would
     return subprocess.run(
         [sys.executable, *args], cwd=BENCHMARKS, env=env, capture_output=True, text=True, timeout=timeout
@@ -46,6 +52,24 @@ def test_multi_gpu_check_single_process(tmp_path):
     assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
     assert "FAIL" not in result.stdout
     assert list(tmp_path.glob("multi_gpu_check_*.json"))
+
+
+@pytest.mark.skipif(
+    not (DEEPSPEED_SITE / "deepspeed").is_dir(),
+    reason=f"DeepSpeed not installed in {DEEPSPEED_SITE} (.ci/run installs it there)",
+)
+@pytest.mark.parametrize("stage,arch", [(2, "gemma2"), (3, "llama"), (3, "gemma2")])
+def test_multi_gpu_check_deepspeed_zero_on_cpu(stage, arch, tmp_path):
+    # Two processes over gloo with DeepSpeed's CPU accelerator: losses, parameters and updates equal to one
+    # process, the head weight whole inside lm_head's call, a rank with no valid label at step 2.
+    config = BENCHMARKS.parent / "recipes" / "accelerate" / f"zero{stage}.yaml"
+    args = ["-m", "accelerate.commands.launch", "--config_file", str(config), "multi_gpu_check.py"]
+    args += ["--arch", arch, "--steps", "3", "--seq-len", "32", "--hidden", "64", "--vocab", "512"]
+    env_extra = {"PYTHONPATH": f"{BENCHMARKS.parent}{os.pathsep}{DEEPSPEED_SITE}", "DS_ACCELERATOR": "cpu"}
+    result = _run(args, tmp_path, env_extra=env_extra)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
+    assert f"PASS multi_gpu_check {arch} ZeRO-{stage} world_size=2" in result.stdout
+    assert "FAIL" not in result.stdout
 
 
 def test_convergence_tiny_on_cpu(tmp_path):
