@@ -22,6 +22,7 @@ SCRIPTS = [
     "convergence.py",
     "multi_gpu_check.py",
     "tp_check.py",
+    "probe_gemm_epilogue.py",
     "sanitize.py",
 ]
 # DeepSpeed for the ZeRO checks on CPU, installed apart from the test environment (.ci/run puts it here):
