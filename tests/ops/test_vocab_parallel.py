@@ -27,6 +27,7 @@ CASES = [
     ({"num_items_in_batch": 29, "skip_ignored": True, "softcap": 2.0}, {"bias": True}),
     ({"reduction": "none", "label_smoothing": 0.2}, {"batch": 2}),
     ({"ignore_index": -1, "z_loss": 1e-2}, {}),
+    ({"ignore_index": 53, "label_smoothing": 0.05}, {}),  # ignore_index = V: never a target id
     ({"reduction": "none", "softcap": 2.5, "skip_ignored": True}, {}),
 ]
 
@@ -123,6 +124,8 @@ def _edge_cases(rank, world_size):
         fused_linear_cross_entropy(hidden.float(), w, labels, vocab_shard=VocabShard(start=stop, total=stop))
     with pytest.raises(ValueError, match="label 29 is outside \\[0, 29\\)"):
         fused_linear_cross_entropy(hidden.float(), w, labels.clamp(min=0) * 0 + 29, vocab_shard=shard)
+    with pytest.raises(ValueError, match="ignore_index must be negative or at least the vocabulary size"):
+        fused_linear_cross_entropy(hidden.float(), w, labels.clamp(min=0), vocab_shard=shard, ignore_index=3)
     with pytest.raises(ValueError, match="entropy, is_top1, mean_logits and log_sum_sq_probs are not supported"):
         fused_linear_log_probs(hidden.float(), w, labels, vocab_shard=shard, return_entropy=True)
 

@@ -211,7 +211,7 @@ def _run_chunked(
     :class:`VocabShard`, or None for a whole vocabulary."""
     _check_inputs(hidden, weight, bias, labels)
     if shard is not None:
-        check_shard(shard, weight.shape[0])
+        check_shard(shard, weight.shape[0], ignore_index)
     check_int("ignore_index", ignore_index)
     check_real("softcap", softcap, positive=True, allow_none=True)
     check_real("logit_scale", logit_scale)

@@ -63,7 +63,7 @@ def is_dtensor(tensor: Any) -> bool:
     return isinstance(tensor, DTensor)
 
 
-def check_shard(shard: VocabShard, local_vocab: int) -> None:
+def check_shard(shard: VocabShard, local_vocab: int, ignore_index: int) -> None:
     if not isinstance(shard, VocabShard):
         fail(f"vocab_shard must be a VocabShard, got {type(shard).__name__}")
     for name in ("start", "total"):
@@ -74,6 +74,13 @@ def check_shard(shard: VocabShard, local_vocab: int) -> None:
         fail(
             f"vocab_shard rows [{shard.start}, {shard.start + local_vocab}) (the weight's {local_vocab} rows from "
             f"start={shard.start}) do not lie inside the vocabulary [0, {shard.total})"
+        )
+    if 0 <= ignore_index < shard.total:
+        # A shard's labels are renumbered from 0: an ignore_index among the vocabulary's ids would
+        # collide with a real target id of some shard.
+        fail(
+            f"with a vocabulary-sharded weight, ignore_index must be negative or at least the vocabulary size "
+            f"({shard.total}), got {ignore_index}"
         )
     import torch.distributed as dist
 
@@ -131,7 +138,7 @@ def shard_labels(labels: torch.Tensor, shard: VocabShard, local_vocab: int, igno
     not_owned = -1 if ignore_index != -1 else -2
     local = labels - shard.start
     owned = (local >= 0) & (local < local_vocab)
-    return torch.where(owned, local, torch.where(labels == ignore_index, ignore_index, not_owned))
+    return torch.where(labels == ignore_index, ignore_index, torch.where(owned, local, not_owned))
 
 
 def all_reduce_sum(tensor: torch.Tensor, shard: VocabShard) -> None:
