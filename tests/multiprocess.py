@@ -17,7 +17,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port nobody listens on now (for a process group's rendezvous)."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
@@ -43,4 +44,4 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable[..., Any], args:
 
 def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any) -> None:
     """``fn(rank, world_size, *args)`` on ``world_size`` spawned processes (gloo); raises on any failure."""
-    mp.start_processes(_worker, args=(world_size, _free_port(), fn, args), nprocs=world_size, start_method="spawn")
+    mp.start_processes(_worker, args=(world_size, free_port(), fn, args), nprocs=world_size, start_method="spawn")

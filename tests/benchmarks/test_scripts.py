@@ -73,6 +73,20 @@ def test_multi_gpu_check_deepspeed_zero_on_cpu(stage, arch, tmp_path):
     assert "FAIL" not in result.stdout
 
 
+@pytest.mark.parametrize("part,arch", [("op", "gemma2"), ("model", "llama"), ("model", "gemma2")])
+def test_tp_check_on_cpu(part, arch, tmp_path):
+    # The tensor-parallel check's two parts on two CPU processes (gloo, tiny shapes, fp32), so that the
+    # script is known to run before its two-GPU run; tp_plan="auto" loading, patched vs unpatched step.
+    from tests.multiprocess import free_port
+
+    launch = ["-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port())]
+    result = _run([*launch, "tp_check.py", "--cpu", "--part", part, "--arch", arch], tmp_path)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
+    assert f"PASS tp_check {part} {arch} world_size=2" in result.stdout
+    report = json.loads((tmp_path / f"tp_check_{part}_{arch}.json").read_text())
+    assert report["ok"] and len(report["ranks"]) == 2
+
+
 def test_convergence_tiny_on_cpu(tmp_path):
     result = _run(["convergence.py", "--device", "cpu", "--tiny", "--steps", "3", "--out", str(tmp_path)], tmp_path)
     assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
