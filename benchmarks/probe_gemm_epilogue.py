@@ -40,6 +40,15 @@ if os.environ.get("PROBE_CONFIGS") == "best":
 
 
 @triton.jit
+def _grouped_tile(tile_id, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
+    """(row tile, column tile) of ``tile_id`` in grouped order: GROUP_M row tiles share each column tile in L2."""
+    group = tile_id // (GROUP_M * num_pid_n)
+    first_m = group * GROUP_M
+    size_m = min(num_pid_m - first_m, GROUP_M)
+    return first_m + (tile_id % size_m), (tile_id % (GROUP_M * num_pid_n)) // size_m
+
+
+@triton.jit
 def _gemm_stats_kernel(
     a_desc,
     b_desc,
@@ -61,11 +70,7 @@ def _gemm_stats_kernel(
     num_tiles = num_pid_m * num_pid_n
     k_tiles = tl.cdiv(K, BLOCK_K)
     for tile_id in tl.range(tl.program_id(0), num_tiles, NUM_SMS, flatten=True):
-        group = tile_id // (GROUP_M * num_pid_n)
-        first_m = group * GROUP_M
-        size_m = min(num_pid_m - first_m, GROUP_M)
-        pid_m = first_m + (tile_id % size_m)
-        pid_n = (tile_id % (GROUP_M * num_pid_n)) // size_m
+        pid_m, pid_n = _grouped_tile(tile_id, num_pid_m, num_pid_n, GROUP_M)
         off_m = pid_m * BLOCK_M
         off_n = pid_n * BLOCK_N
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -110,11 +115,7 @@ def _gemm_kernel(
     num_tiles = num_pid_m * num_pid_n
     k_tiles = tl.cdiv(K, BLOCK_K)
     for tile_id in tl.range(tl.program_id(0), num_tiles, NUM_SMS, flatten=True):
-        group = tile_id // (GROUP_M * num_pid_n)
-        first_m = group * GROUP_M
-        size_m = min(num_pid_m - first_m, GROUP_M)
-        pid_m = first_m + (tile_id % size_m)
-        pid_n = (tile_id % (GROUP_M * num_pid_n)) // size_m
+        pid_m, pid_n = _grouped_tile(tile_id, num_pid_m, num_pid_n, GROUP_M)
         off_m = pid_m * BLOCK_M
         off_n = pid_n * BLOCK_N
         if ACCUMULATE:  # C += A @ B: the old tile is the accumulator's start (fp32 sum, one rounding)

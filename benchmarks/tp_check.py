@@ -41,6 +41,8 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from bench_common import rel_err, rel_l2  # noqa: E402  (this script's folder is on sys.path)
+
 import lce_patch  # noqa: E402
 from lce_patch import VocabShard, fused_linear_cross_entropy  # noqa: E402
 
@@ -84,11 +86,6 @@ def compute_dtype(args) -> torch.dtype:
     return torch.float32 if args.cpu else torch.bfloat16
 
 
-def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    actual, expected = actual.detach().double(), expected.detach().double()
-    return float((actual - expected).norm() / expected.norm().clamp(min=1e-30))
-
-
 def shard_bounds(vocab: int, world: int, rank: int) -> tuple[int, int]:
     """torch.chunk's split, as DTensor's Shard(0) makes it."""
     size = -(-vocab // world)
@@ -130,10 +127,10 @@ def check_op(args, rank: int, world: int, device: torch.device) -> dict:
         "loss": float(loss),
         "loss_one_process": float(ref),
         "loss_fp32_unfused": fp32_loss,
-        "loss_rel_vs_one_process": abs(float(loss) - float(ref)) / abs(float(ref)),
-        "loss_rel_vs_fp32": abs(float(loss) - fp32_loss) / abs(fp32_loss),
-        "dh_rel_vs_one_process": rel_err(h.grad, h_ref.grad),
-        "dw_rel_vs_one_process": rel_err(w.grad, w_ref.grad[start:stop]),
+        "loss_rel_vs_one_process": rel_err(float(loss), float(ref)),
+        "loss_rel_vs_fp32": rel_err(float(loss), fp32_loss),
+        "dh_rel_vs_one_process": rel_l2(h.grad, h_ref.grad),
+        "dw_rel_vs_one_process": rel_l2(w.grad, w_ref.grad[start:stop]),
     }
 
 
@@ -202,14 +199,14 @@ def check_model(args, rank: int, world: int, device: torch.device) -> dict:
         peak = torch.cuda.max_memory_allocated(device) - model_bytes if cuda else 0
         results[variant] = {"loss": loss, "grads": grads, "ms": statistics.median(times), "peak_mib": peak / 2**20}
     grads_u, grads_p = results["unpatched"].pop("grads"), results["patched"].pop("grads")
-    errors = {name: rel_err(grads_p[name], grads_u[name]) for name in grads_u}
+    errors = {name: rel_l2(grads_p[name], grads_u[name]) for name in grads_u}
     worst = max(errors, key=errors.get)
     return {
         "rank": rank,
         "lm_head_local_rows": int(model.lm_head.weight.to_local().shape[0]),
         "unpatched": results["unpatched"],
         "patched": results["patched"],
-        "loss_rel": abs(results["patched"]["loss"] - results["unpatched"]["loss"]) / abs(results["unpatched"]["loss"]),
+        "loss_rel": rel_err(results["patched"]["loss"], results["unpatched"]["loss"]),
         "worst_grad": worst,
         "worst_grad_rel": errors[worst],
         "head_grad_rel": errors.get("lm_head.weight", errors.get("model.embed_tokens.weight")),

@@ -18,6 +18,7 @@ import lce_patch
 from lce_patch.ops.linear_cross_entropy import vocab_parallel
 from tests.models.tiny import tiny_model
 from tests.multiprocess import run_ranks
+from tests.ops.test_linear_cross_entropy import rel_err
 
 # Odd vocabulary: uneven shards (64 + 63 rows). Both tie the head to the embedding.
 ARCHS = {
@@ -29,11 +30,6 @@ ARCHS = {
 
 def _full(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
-
-
-def _rel(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    actual, expected = actual.detach().double(), expected.detach().double()
-    return float((actual - expected).norm() / expected.norm().clamp(min=1e-30))
 
 
 def _loss_and_grads(model, batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -61,7 +57,7 @@ def _tp_worker(rank, world_size, path):
 
     ref_out, ref_grads = _loss_and_grads(reference, batch)
     tp_out, tp_grads = _loss_and_grads(model, batch)  # unpatched tensor parallelism: the setup agrees
-    assert _rel(tp_out.loss, ref_out.loss) <= 1e-5
+    assert rel_err(tp_out.loss, ref_out.loss) <= 1e-5
 
     lce_patch.apply_fused_lce(model)
     calls = []
@@ -79,10 +75,10 @@ def _tp_worker(rank, world_size, path):
     local_vocab = model.lm_head.weight.to_local().shape[0]
     assert calls and all(shape[1] == local_vocab < 127 for shape in calls), calls  # a shard, never all of V
     assert out.logits is None
-    assert _rel(out.loss, ref_out.loss) <= 1e-5, (float(out.loss), float(ref_out.loss))
+    assert rel_err(out.loss, ref_out.loss) <= 1e-5, (float(out.loss), float(ref_out.loss))
     assert grads.keys() == ref_grads.keys()
     for name, grad in grads.items():
-        assert _rel(grad, ref_grads[name]) <= 1e-5, f"rank {rank}: {name} {_rel(grad, ref_grads[name])}"
+        assert rel_err(grad, ref_grads[name]) <= 1e-5, f"rank {rank}: {name} {rel_err(grad, ref_grads[name])}"
 
     # Evaluation that keeps the logits: the whole [B, T, V] logits on every rank, and the fused loss.
     model.eval()
@@ -90,12 +86,12 @@ def _tp_worker(rank, world_size, path):
     with torch.no_grad():
         out = model(**batch)
         expected = reference(**batch)
-    assert _rel(out.logits, expected.logits) <= 1e-5 and _rel(out.loss, expected.loss) <= 1e-5
+    assert rel_err(out.logits, expected.logits) <= 1e-5 and rel_err(out.loss, expected.loss) <= 1e-5
 
     lce_patch.revert_fused_lce(model)
     model.train()
     out, grads = _loss_and_grads(model, batch)
-    assert _rel(out.loss, ref_out.loss) <= 1e-5 and out.logits.shape == (2, 13, 127)
+    assert rel_err(out.loss, ref_out.loss) <= 1e-5 and out.logits.shape == (2, 13, 127)
 
 
 @pytest.mark.parametrize("arch", sorted(ARCHS))

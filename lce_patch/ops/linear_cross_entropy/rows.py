@@ -109,15 +109,20 @@ def _raw_grad_factor(transform: LogitTransform, tanh: torch.Tensor | None, grad_
     return grad_z
 
 
+def _label_in_row(labels: torch.Tensor, valid: torch.Tensor, width: int) -> torch.Tensor:
+    """Rows whose valid label has a column in the buffer. A valid label outside [0, V) (a vocabulary
+    shard that does not own it) has none: its target logit counts as 0 and it gets no one-hot gradient
+    term, as in the kernels."""
+    return valid & (labels >= 0) & (labels < width)
+
+
 def _torch_chunk_stats(
     raw, labels, transform, out: RowOutputs, grad_scale: torch.Tensor | None, target_raw: torch.Tensor | None
 ) -> None:
     z, tanh = final_logits(raw, transform)
     vocab_size = z.shape[1]
     valid = labels != transform.ignore_index
-    # A valid label outside [0, V) has no logit in this buffer (a vocabulary shard that does not own
-    # it): its target logit counts as 0 and gets no one-hot gradient term, as in the kernels.
-    in_row = valid & (labels >= 0) & (labels < vocab_size)
+    in_row = _label_in_row(labels, valid, vocab_size)
     safe_labels = torch.where(in_row, labels, 0).unsqueeze(1)
     lse = torch.logsumexp(z, dim=1)
     target_z = torch.where(in_row, z.gather(1, safe_labels).squeeze(1), 0.0)
@@ -170,7 +175,7 @@ def _torch_chunk_grad(raw, labels, transform, lse, entropy, grad_loss, grad_entr
         row_grad = grad_loss.to(z.dtype).unsqueeze(1)
         p_scale = 1.0 + 2.0 * transform.z_loss * lse.unsqueeze(1) if transform.z_loss else 1.0
         grad += p * p_scale * row_grad
-        in_row = valid & (labels >= 0) & (labels < z.shape[1])  # see _torch_chunk_stats
+        in_row = _label_in_row(labels, valid, z.shape[1])
         safe_labels = torch.where(in_row, labels, 0).unsqueeze(1)
         grad.scatter_add_(1, safe_labels, -(1.0 - transform.label_smoothing) * row_grad * in_row.unsqueeze(1))
         if transform.label_smoothing:
