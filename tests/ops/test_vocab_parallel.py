@@ -134,6 +134,55 @@ def test_vocab_shard_edge_cases_and_errors():
     run_ranks(_edge_cases, 2)
 
 
+def _layout_cases(rank, world_size, backend):
+    """Views as users pass them (transposed hidden, a column-strided weight shard, a strided bias, labels
+    sliced from a wider tensor and expanded) give what the same call on contiguous copies gives; and
+    fp16 / bf16 give the float64 reference to their rounding."""
+    hidden, weight, labels, bias = make_inputs(seed=21, n=24, d=10, v=47, bias=True)
+    start, stop = _split(weight.shape[0], world_size, rank)
+    shard = VocabShard(start=start, total=weight.shape[0])
+    dtypes = (torch.float32, torch.float16) if backend == "triton" else (torch.float32, torch.float16, torch.bfloat16)
+    for dtype in dtypes:
+        h_view = hidden.to(dtype).t().contiguous().t()  # column-major [N, D]
+        w_view = weight[start:stop].to(dtype).t().contiguous().t()  # the shard, column-major
+        b_view = torch.stack([bias, bias], 1)[start:stop, 0].to(dtype)  # stride 2
+        y_view = torch.stack([labels, labels], 1)[:, 1]  # stride 2
+        views = [t.detach().requires_grad_() for t in (h_view, w_view, b_view)]
+        copies = [t.detach().contiguous().requires_grad_() for t in (h_view, w_view, b_view)]
+        options = dict(vocab_shard=shard, backend=backend, chunk_size=8, softcap=3.0, label_smoothing=0.1)
+        loss = fused_linear_cross_entropy(views[0], views[1], y_view, bias=views[2], **options)
+        loss.backward()
+        same = fused_linear_cross_entropy(copies[0], copies[1], y_view.contiguous(), bias=copies[2], **options)
+        same.backward()
+        what = f"rank {rank} {backend} {dtype}"
+        assert rel_err(loss, same) <= 1e-6, what
+        for view, copy in zip(views, copies, strict=True):
+            assert rel_err(view.grad, copy.grad) <= 1e-6, what
+        ref_inputs = [t.detach().double().requires_grad_() for t in (h_view, weight.to(dtype), bias.to(dtype))]
+        ref = naive_linear_cross_entropy(*ref_inputs[:2], y_view, bias=ref_inputs[2], softcap=3.0, label_smoothing=0.1)
+        ref.backward()
+        # The loss reads the target in fp32; gradients carry the dtype's rounding of the logits (bf16: 2^-9).
+        grad_tol = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 2e-2}[dtype]
+        assert rel_err(loss, ref) <= {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 5e-3}[dtype], what
+        assert rel_err(views[0].grad, ref_inputs[0].grad) <= grad_tol, what
+        assert rel_err(views[1].grad, ref_inputs[1].grad[start:stop]) <= grad_tol, what
+    # An expanded labels view (one row's labels broadcast over the batch) with 3-D hidden.
+    h3 = hidden[:8].float().expand(3, 8, 10).requires_grad_()
+    y3 = labels[:8].expand(3, 8)
+    w = weight[start:stop].float().requires_grad_()
+    loss = fused_linear_cross_entropy(h3, w, y3, vocab_shard=shard, backend=backend, shift=True)
+    ref_w = weight.clone().requires_grad_()
+    ref = naive_linear_cross_entropy(hidden[:8].expand(3, 8, 10), ref_w, y3, shift=True)
+    loss.backward()
+    ref.backward()
+    assert rel_err(loss, ref) <= 1e-5 and rel_err(w.grad, ref_w.grad[start:stop]) <= 1e-5
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_vocab_shards_take_views_and_every_dtype(backend):
+    run_ranks(_layout_cases, 2, backend)
+
+
 def _dtensor_cases(rank, world_size):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
