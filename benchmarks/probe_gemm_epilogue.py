@@ -138,6 +138,71 @@ def _gemm_kernel(
         c_desc.store([off_m, off_n], acc.to(tl.bfloat16))
 
 
+@triton.jit
+def _dw_accumulate_kernel(
+    g_desc,
+    h_desc,
+    c_desc,
+    M,
+    N,
+    K,
+    NUM_SMS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    SUBTILE: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr,
+    PREFETCH: tl.constexpr = False,
+):
+    """dW [M=V, N=D] += G.T @ h with G stored [K=C, M] and h [K, N]; the old dW tile is read by TMA after the
+    K loop (as cuBLAS's beta = 1 epilogue does), added to the fp32 accumulator and rounded once. SUBTILE:
+    the epilogue in two [BLOCK_M, BLOCK_N / 2] halves (less shared memory and fewer live registers)."""
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    num_tiles = num_pid_m * num_pid_n
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    for tile_id in tl.range(tl.program_id(0), num_tiles, NUM_SMS, flatten=True, warp_specialize=WARP_SPECIALIZE):
+        pid_m, pid_n = _grouped_tile(tile_id, num_pid_m, num_pid_n, GROUP_M)
+        off_m = pid_m * BLOCK_M
+        off_n = pid_n * BLOCK_N
+        if PREFETCH:  # the old tile's TMA load issued before the K loop, added after it
+            old = c_desc.load([off_m, off_n])
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for ki in range(k_tiles):
+            a = g_desc.load([ki * BLOCK_K, off_m]).T
+            b = h_desc.load([ki * BLOCK_K, off_n])
+            acc = tl.dot(a, b, acc)
+        if PREFETCH:
+            c_desc.store([off_m, off_n], (acc + old.to(tl.float32)).to(tl.bfloat16))
+        elif SUBTILE:
+            acc = tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2))
+            acc = tl.permute(acc, (0, 2, 1))
+            acc0, acc1 = tl.split(acc)
+            old0 = c_desc.load([off_m, off_n])
+            c_desc.store([off_m, off_n], (acc0 + old0.to(tl.float32)).to(tl.bfloat16))
+            old1 = c_desc.load([off_m, off_n + BLOCK_N // 2])
+            c_desc.store([off_m, off_n + BLOCK_N // 2], (acc1 + old1.to(tl.float32)).to(tl.bfloat16))
+        else:
+            old = c_desc.load([off_m, off_n])
+            c_desc.store([off_m, off_n], (acc + old.to(tl.float32)).to(tl.bfloat16))
+
+
+def dw_accumulate(grad, h, out, config, num_sms: int, subtile: bool, warp_specialize: bool, prefetch: bool = False):
+    """dW += G.T @ h with the epilogue-accumulating kernel."""
+    block_m, block_n, block_k, stages, warps = config
+    m, k, n = grad.shape[1], grad.shape[0], h.shape[1]
+    g_desc = TensorDescriptor.from_tensor(grad, [block_k, block_m])
+    h_desc = TensorDescriptor.from_tensor(h, [block_k, block_n])
+    c_desc = TensorDescriptor.from_tensor(out, [block_m, block_n // 2 if subtile and not prefetch else block_n])
+    grid = (min(num_sms, triton.cdiv(m, block_m) * triton.cdiv(n, block_n)),)
+    _dw_accumulate_kernel[grid](
+        g_desc, h_desc, c_desc, m, n, k,
+        NUM_SMS=num_sms, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=8,
+        SUBTILE=subtile, WARP_SPECIALIZE=warp_specialize, PREFETCH=prefetch, num_stages=stages, num_warps=warps,
+    )  # fmt: skip
+
+
 def product(kind: str, grad, h, w, out, config, num_sms: int, accumulate: bool = False):
     """dh = G @ W ([C, D]) or dW = G.T @ h ([V, D]) with the generic kernel."""
     block_m, block_n, block_k, stages, warps = config
@@ -229,6 +294,29 @@ def probe_backward(shape: str, rows: int, w: torch.Tensor, rounds: int, num_sms:
             variants[f"triton {config}"] = lambda c=config, k=kind, o=out: product(k, grad, h, w, o, c, num_sms)
             if kind == "dw":
                 variants[f"triton += {config}"] = lambda c=config, o=out: product("dw", grad, h, w, o, c, num_sms, True)
+                for subtile, ws, prefetch in (
+                    (False, False, False),
+                    (True, False, False),
+                    (True, True, False),
+                    (False, False, True),
+                    (False, True, True),
+                ):
+                    for stage_count in (2, 3) if prefetch else (config[3],):
+                        cfg = (*config[:3], stage_count, config[4])
+                        flags = f"{' sub' if subtile else ''}{' ws' if ws else ''}{' prefetch' if prefetch else ''}"
+                        name = f"triton +=epi{flags} {cfg}"
+                        before = out.clone()
+                        try:
+                            dw_accumulate(grad, h, out, cfg, num_sms, subtile, ws, prefetch)
+                        except Exception as err:
+                            print(f"{shape} C={rows} {name}: {type(err).__name__}: {str(err)[:160]}")
+                            continue
+                        expect = before.float() + reference.float()
+                        error = float((out.float() - expect).norm() / expect.norm())
+                        print(f"{shape} C={rows} {name}: rel err vs fp32 sum {error:.3g}")
+                        variants[name] = lambda c=cfg, o=out, s=subtile, x=ws, p=prefetch: dw_accumulate(
+                            grad, h, o, c, num_sms, s, x, p
+                        )
         results += _time(shape, rows, kind, variants, rounds, 2 * rows * v * d)
     return results
 

@@ -23,6 +23,7 @@ SCRIPTS = [
     "multi_gpu_check.py",
     "tp_check.py",
     "probe_gemm_epilogue.py",
+    "schedule_bound.py",
     "sanitize.py",
 ]
 # DeepSpeed for the ZeRO checks on CPU, installed apart from the test environment (.ci/run puts it here):

@@ -362,12 +362,16 @@ def test_default_chunk_rows_fill_the_gpu_for_thin_hidden_sizes():
     def rows(num_rows, hidden_size, vocab_size, num_sms=132):
         return default_chunk_rows(num_rows, vocab_size, torch.bfloat16, True, hidden_size, num_sms)
 
-    # H100 (132 SMs): Gemma-2 (D = 2304) gets 1792-row chunks (7022 rows: 4 chunks), Qwen2.5 and
-    # Llama-3 the 1024-row floor; chunks are whole multiples of 128 rows.
+    # H100 (132 SMs): Gemma-2 (D = 2304) gets 1792-row chunks (7022 rows: 4 chunks), Qwen2.5 (D = 3584)
+    # 1152, Llama-3 the 1024-row floor; chunks are whole multiples of 128 rows.
     assert rows(7022, 2304, 256000) == 1792
-    assert rows(8192, 2304, 256000) == 1664  # 5 chunks as even as multiples of 128 allow
-    assert rows(7022, 3584, 152064) == 1024
+    assert rows(8192, 2304, 256000) == 1792  # not 5 x 1664 (even, but 117 dh tiles for 132 SMs)
+    assert rows(8192, 3584, 152064) == 1152  # 7 x 1152 + 128, not 8 x 1024
+    assert rows(7022, 3584, 152064) == 1152
     assert rows(7022, 4096, 128256) == 1024
+    assert rows(8192, 4096, 128256) == 1024
+    assert rows(2100, 3584, 152064) == 1152  # above the fill rows chunks are still made even (2 x 1152)
+    assert rows(2100, 4096, 128256) == 768  # D >= 4096: 3 even chunks, as before (no thin-D fill rows)
     assert rows(1000, 2304, 256000) == 1000  # never more rows than there are
     assert rows(7022, 2304, 256000, num_sms=None) == 1024  # unknown GPU: the 1024-row floor only
     assert rows(70001, 4096, 128256) == 4480  # at most 16 bf16 roundings of dW: 16 chunks

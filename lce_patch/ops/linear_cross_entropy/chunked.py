@@ -62,7 +62,8 @@ MIN_DEFAULT_CHUNK_ROWS = 1024
 # kernels cover in tiles of about 128 x 256, one per SM at a time; below (SMs x 128 x 256) / D rows
 # SMs idle. On the H100 Gemma-2 (D = 2304) ran 86% of its floor at 1024-row chunks and 91-92% at
 # 1760-1792 rows (NOTES v12). The default is at least that many rows, rounded down to a multiple of
-# 128 (H100: 1792 for D = 2304; 1152 for D = 3584; 1024 for D = 4096).
+# 128 (H100: 1792 for D = 2304; 1152 for D = 3584; 1024 for D = 4096), also when N rows would split
+# into more even chunks of fewer rows.
 GEMM_TILE_ELEMENTS = 128 * 256
 # Chunk sizes are multiples of 128 rows (cuBLAS's tile height): 1008-row chunks ran 2-3% slower than
 # 1024-row ones forward+backward and 6-8% slower forward-only on the Llama-3 and Qwen2.5 shapes.
@@ -104,10 +105,14 @@ def default_chunk_rows(
     rows = budget // max(bytes_per_row, 1)
     if rows >= 2 * tile:
         rows = rows // tile * tile
+    fill_rows = 0
     if use_triton:
         rows = max(rows, MIN_DEFAULT_CHUNK_ROWS)
         if hidden_size and num_sms:
-            rows = max(rows, num_sms * GEMM_TILE_ELEMENTS // hidden_size // tile * tile)
+            fill_rows = num_sms * GEMM_TILE_ELEMENTS // hidden_size // tile * tile
+            rows = max(rows, fill_rows)
+            if fill_rows <= MIN_DEFAULT_CHUNK_ROWS:  # not a thin hidden size: even chunks below it are fine
+                fill_rows = 0
     if dtype == torch.bfloat16:
         rows = max(rows, _round_up(-(-num_rows // MAX_BF16_DW_CHUNKS), tile))
     spare_rows = spare_bytes // max(bytes_per_row, 1)
@@ -115,8 +120,11 @@ def default_chunk_rows(
         rows += spare_rows // tile * tile
     rows = int(max(1, min(rows, max(num_rows, 1))))
     chunks = -(-num_rows // rows)
-    if chunks > 1:  # the fewest chunks of at most ``rows``, as even as whole tiles (16 rows on torch) allow
-        rows = min(rows, _round_up(-(-num_rows // chunks), tile if use_triton else 16))
+    if chunks > 1:  # the fewest chunks of at most ``rows``, as even as whole tiles (16 rows on torch) allow,
+        # but not below the rows that fill the GPU: a shorter last chunk costs less than every chunk's dh
+        # GEMM leaving SMs idle (NOTES v17: Qwen2.5 at N = 8192, 7 x 1152 + 128 rows ran 1.2 ms faster
+        # than 8 x 1024; Gemma-2 4 x 1792 + 1024 1.1 ms faster than 5 x 1664).
+        rows = min(rows, max(_round_up(-(-num_rows // chunks), tile if use_triton else 16), fill_rows))
     return rows
 
 
