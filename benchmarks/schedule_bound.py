@@ -16,7 +16,7 @@ on cuBLAS pays at least the chunk schedule's GEMMs. This times, in one process a
 * ``schedule_dh_split{S}``: dh as a split-K ``bmm`` over S vocabulary slices into fp32 partials, summed
   and rounded once (more output tiles for thin D);
 * ``schedule[c=R]`` (``--chunk-rows``): the schedule with R-row chunks (e.g. the largest chunk a memory
-  target leaves room for);
+  target leaves room for), and ``schedule_dw_mm[c=R]`` the same without the dW read;
 * ``op``: ``fused_linear_cross_entropy`` forward+backward at its defaults (the row pass included), with
   its peak memory above the inputs; ``op[c=R]`` the same with ``chunk_size=R``;
 * ``compile``: ``torch.compile`` of the unfused loss (``bench_lce.py``'s), forward+backward.
@@ -119,6 +119,7 @@ def measure(name: str, rounds: int, splits: list[int], chunk_rows: list[int]) ->
     }
     for chunk in chunk_rows:
         variants[f"schedule[c={chunk}]"] = lambda c=chunk: schedule(chunk=c)
+        variants[f"schedule_dw_mm[c={chunk}]"] = lambda c=chunk: schedule(dw_accumulate=False, chunk=c)
     reference = torch.mm(grad[:rows], w)
     for s in splits:
         partials = torch.empty(s, rows, d, device="cuda", dtype=torch.float32)
