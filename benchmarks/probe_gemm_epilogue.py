@@ -12,7 +12,9 @@ percent of cuBLAS. This times, on one chunk's shape (C rows of hidden [C, D] tim
 
 With ``--gemms backward`` also the chunk's backward GEMMs, dh = G @ W and dW = G.T @ h, on cuBLAS (dW also
 as the op's ``addmm_``) and on the same persistent kernel with operands in either major order (dW also in an
-accumulating form that starts from the old tile). Findings: benchmarks/NOTES.md, v16.
+accumulating form that starts from the old tile, and ``+=epi`` forms that add the old tile, read by TMA, after
+the K loop: whole or in two halves, with warp specialization, or with its load issued before the loop).
+Findings: benchmarks/NOTES.md, v16 and v17.
 
 Each variant in several tile configurations (``PROBE_CONFIGS=best``: the first only), interleaved over
 rounds (median of ``do_bench`` medians). Needs a Hopper GPU; prints a table and writes JSON to ``--out``
