@@ -22,6 +22,7 @@ import torch
 
 import lce_patch
 from lce_patch.models import UNSUPPORTED, is_patched
+from lce_patch.models.patch import _is_registered
 
 from .tiny import assert_trains_equal
 from .zoo import EXCLUDED, NO_GENERATE, ZOO_TYPES, build_tiny, text_batch
@@ -50,15 +51,17 @@ class _ScaledHeadInput:
         return (hidden * self.factor, *args[1:])
 
 
-def _classified(model_type: str) -> str:
-    if model_type in lce_patch.supported_architectures():
+def _classified(model: torch.nn.Module, model_type: str) -> str:
+    # A new type whose auto mapping names a registered class (transformers 5.24 maps exaone to
+    # LlamaForCausalLM) is that class's model: accepted by default, and held to every comparison.
+    if model_type in lce_patch.supported_architectures() or _is_registered(model):
         return "registered"
     return "unsupported" if model_type in UNSUPPORTED else "unclassified"
 
 
 def _patch(model: torch.nn.Module, model_type: str) -> bool:
     """Patch as a user would; False when the type is (rightly) refused."""
-    kind = _classified(model_type)
+    kind = _classified(model, model_type)
     if kind == "registered":
         lce_patch.apply_fused_lce(model, backend="torch")
         return True
@@ -128,8 +131,21 @@ def test_with_images(model_type):
     if not _patch(model, model_type):
         return
     batch = vision_batch(model, torch.Generator().manual_seed(0))
+    _skip_if_the_unpatched_model_fails(reference, batch)
     _compare_training(model, reference, batch)
     _check_revert(model, reference, batch)
+
+
+def _skip_if_the_unpatched_model_fails(reference, batch) -> None:
+    """Nothing to compare when transformers' own forward raises (5.24's Llama4ForConditionalGeneration reads
+    ``image_outputs`` from a text output that has none): skipped with the error, so a fixed release tests it."""
+    import transformers
+
+    try:
+        with torch.no_grad():
+            reference(**batch)
+    except Exception as err:  # noqa: BLE001 - any failure of the unpatched model is upstream's
+        pytest.skip(f"the unpatched model fails under transformers {transformers.__version__}: {err!r}"[:300])
 
 
 def test_every_type_is_classified():

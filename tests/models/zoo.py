@@ -409,6 +409,16 @@ _COHERE_COMPASS_TEXT = {  # the default config has no rope parameters per layer 
 
 # model_type -> config kwargs (a sub-config key maps to that sub-config's kwargs), applied after the generic ones
 _OVERRIDES: dict[str, dict[str, Any]] = {
+    # transformers 5.24: the audio tokenizer has no projection around its quantizer (codebook_dim == hidden_size)
+    # and its image then audio codebooks sit at the top of the text vocabulary, in that order
+    "apertus1p5": {
+        "audio_config": {"codebook_dim": 32, "codebook_size": 8},
+        "vision_config": {"codebook_size": 8},
+        "image_token_id": VOCAB - 20,
+        "audio_token_id": VOCAB - 19,
+        "image_token_offset": VOCAB - 16,
+        "audio_token_offset": VOCAB - 8,
+    },
     "bamba": {"attn_layer_indices": [1], "mamba_chunk_size": 8},
     "blip-2": {"image_token_index": VOCAB - 1},  # None by default: the query tokens have no placeholder id
     # use_cache: BltModel builds DynamicCache(config=BltConfig), which has no num_hidden_layers
