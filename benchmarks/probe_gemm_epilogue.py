@@ -12,8 +12,8 @@ percent of cuBLAS. This times, on one chunk's shape (C rows of hidden [C, D] tim
 
 With ``--gemms backward`` also the chunk's backward GEMMs, dh = G @ W and dW = G.T @ h, on cuBLAS (dW also
 as the op's ``addmm_``) and on the same persistent kernel with operands in either major order (dW also in an
-accumulating form that starts from the old tile, and ``+=epi`` forms that add the old tile, read by TMA, after
-the K loop: whole or in two halves, with warp specialization, or with its load issued before the loop).
+accumulating form that starts from the old tile, and forms that add the old tile, read by TMA, after the K loop:
+whole or in two halves, with warp specialization, or with its load issued before the loop; ``ACCUMULATE_MODES``).
 Findings: benchmarks/NOTES.md, v16 and v17.
 
 Each variant in several tile configurations (``PROBE_CONFIGS=best``: the first only), interleaved over
@@ -42,12 +42,13 @@ if os.environ.get("PROBE_CONFIGS") == "best":
 
 
 @triton.jit
-def _grouped_tile(tile_id, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
-    """(row tile, column tile) of ``tile_id`` in grouped order: GROUP_M row tiles share each column tile in L2."""
+def _tile_origin(tile_id, num_pid_m, num_pid_n, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """First (row, column) of ``tile_id``'s output tile in grouped order: GROUP_M row tiles share each column tile
+    in L2."""
     group = tile_id // (GROUP_M * num_pid_n)
     first_m = group * GROUP_M
     size_m = min(num_pid_m - first_m, GROUP_M)
-    return first_m + (tile_id % size_m), (tile_id % (GROUP_M * num_pid_n)) // size_m
+    return (first_m + (tile_id % size_m)) * BLOCK_M, ((tile_id % (GROUP_M * num_pid_n)) // size_m) * BLOCK_N
 
 
 @triton.jit
@@ -72,9 +73,7 @@ def _gemm_stats_kernel(
     num_tiles = num_pid_m * num_pid_n
     k_tiles = tl.cdiv(K, BLOCK_K)
     for tile_id in tl.range(tl.program_id(0), num_tiles, NUM_SMS, flatten=True):
-        pid_m, pid_n = _grouped_tile(tile_id, num_pid_m, num_pid_n, GROUP_M)
-        off_m = pid_m * BLOCK_M
-        off_n = pid_n * BLOCK_N
+        off_m, off_n = _tile_origin(tile_id, num_pid_m, num_pid_n, BLOCK_M, BLOCK_N, GROUP_M)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for ki in range(k_tiles):
             a = a_desc.load([off_m, ki * BLOCK_K])
@@ -88,9 +87,15 @@ def _gemm_stats_kernel(
             z = tl.where(cols[None, :] < N, logits.to(tl.float32), float("-inf"))
             tile_max = tl.max(z, 1)
             tile_sum = tl.sum(tl.exp(z - tile_max[:, None]), 1)
-            offsets = rows * num_pid_n + pid_n
+            offsets = rows * num_pid_n + off_n // BLOCK_N
             tl.store(max_ptr + offsets, tile_max, mask=rows < M)
             tl.store(sum_ptr + offsets, tile_sum, mask=rows < M)
+
+
+# How the generic kernel adds into C (dW += G.T @ h): not at all, from an accumulator started at the old tile
+# (loaded before the K loop), or by adding the old tile, read by TMA, to the result: after the K loop, after it
+# in two [BLOCK_M, BLOCK_N / 2] halves, or with its load issued before the loop.
+ACCUMULATE_MODES = {None: 0, "start": 1, "after": 2, "after_halves": 3, "prefetch": 4}
 
 
 @triton.jit
@@ -109,24 +114,26 @@ def _gemm_kernel(
     GROUP_M: tl.constexpr,
     A_M_MAJOR: tl.constexpr,
     B_K_MAJOR: tl.constexpr,
-    ACCUMULATE: tl.constexpr = False,
+    ACCUMULATE: tl.constexpr = 0,
+    WARP_SPECIALIZE: tl.constexpr = False,
 ):
-    """C [M, N] = A @ B; A stored [M, K] (or [K, M] with A_M_MAJOR), B stored [K, N] (or [N, K] with B_K_MAJOR)."""
+    """C [M, N] (+)= A @ B; A stored [M, K] (or [K, M] with A_M_MAJOR), B stored [K, N] (or [N, K] with B_K_MAJOR);
+    ACCUMULATE: a value of ACCUMULATE_MODES (fp32 sum, one rounding, in every mode)."""
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     num_tiles = num_pid_m * num_pid_n
     k_tiles = tl.cdiv(K, BLOCK_K)
-    for tile_id in tl.range(tl.program_id(0), num_tiles, NUM_SMS, flatten=True):
-        pid_m, pid_n = _grouped_tile(tile_id, num_pid_m, num_pid_n, GROUP_M)
-        off_m = pid_m * BLOCK_M
-        off_n = pid_n * BLOCK_N
-        if ACCUMULATE:  # C += A @ B: the old tile is the accumulator's start (fp32 sum, one rounding)
+    for tile_id in tl.range(tl.program_id(0), num_tiles, NUM_SMS, flatten=True, warp_specialize=WARP_SPECIALIZE):
+        off_m, off_n = _tile_origin(tile_id, num_pid_m, num_pid_n, BLOCK_M, BLOCK_N, GROUP_M)
+        if ACCUMULATE == 1:
             rows = off_m + tl.arange(0, BLOCK_M)
             cols = off_n + tl.arange(0, BLOCK_N)
             mask = (rows[:, None] < M) & (cols[None, :] < N)
             acc = tl.load(c_ptr + rows[:, None].to(tl.int64) * N + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         else:
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        if ACCUMULATE == 4:
+            old = c_desc.load([off_m, off_n])
         for ki in range(k_tiles):
             if A_M_MAJOR:
                 a = a_desc.load([ki * BLOCK_K, off_m]).T
@@ -137,78 +144,27 @@ def _gemm_kernel(
             else:
                 b = b_desc.load([ki * BLOCK_K, off_n])
             acc = tl.dot(a, b, acc)
-        c_desc.store([off_m, off_n], acc.to(tl.bfloat16))
-
-
-@triton.jit
-def _dw_accumulate_kernel(
-    g_desc,
-    h_desc,
-    c_desc,
-    M,
-    N,
-    K,
-    NUM_SMS: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr,
-    SUBTILE: tl.constexpr,
-    WARP_SPECIALIZE: tl.constexpr,
-    PREFETCH: tl.constexpr = False,
-):
-    """dW [M=V, N=D] += G.T @ h with G stored [K=C, M] and h [K, N]; the old dW tile is read by TMA after the
-    K loop (as cuBLAS's beta = 1 epilogue does), added to the fp32 accumulator and rounded once. SUBTILE:
-    the epilogue in two [BLOCK_M, BLOCK_N / 2] halves (less shared memory and fewer live registers)."""
-    num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    num_tiles = num_pid_m * num_pid_n
-    k_tiles = tl.cdiv(K, BLOCK_K)
-    for tile_id in tl.range(tl.program_id(0), num_tiles, NUM_SMS, flatten=True, warp_specialize=WARP_SPECIALIZE):
-        pid_m, pid_n = _grouped_tile(tile_id, num_pid_m, num_pid_n, GROUP_M)
-        off_m = pid_m * BLOCK_M
-        off_n = pid_n * BLOCK_N
-        if PREFETCH:  # the old tile's TMA load issued before the K loop, added after it
-            old = c_desc.load([off_m, off_n])
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for ki in range(k_tiles):
-            a = g_desc.load([ki * BLOCK_K, off_m]).T
-            b = h_desc.load([ki * BLOCK_K, off_n])
-            acc = tl.dot(a, b, acc)
-        if PREFETCH:
-            c_desc.store([off_m, off_n], (acc + old.to(tl.float32)).to(tl.bfloat16))
-        elif SUBTILE:
-            acc = tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2))
-            acc = tl.permute(acc, (0, 2, 1))
-            acc0, acc1 = tl.split(acc)
+        if ACCUMULATE == 3:
+            acc0, acc1 = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
             old0 = c_desc.load([off_m, off_n])
             c_desc.store([off_m, off_n], (acc0 + old0.to(tl.float32)).to(tl.bfloat16))
             old1 = c_desc.load([off_m, off_n + BLOCK_N // 2])
             c_desc.store([off_m, off_n + BLOCK_N // 2], (acc1 + old1.to(tl.float32)).to(tl.bfloat16))
         else:
-            old = c_desc.load([off_m, off_n])
-            c_desc.store([off_m, off_n], (acc + old.to(tl.float32)).to(tl.bfloat16))
+            if ACCUMULATE == 2:
+                old = c_desc.load([off_m, off_n])
+            if ACCUMULATE == 2 or ACCUMULATE == 4:
+                acc += old.to(tl.float32)
+            c_desc.store([off_m, off_n], acc.to(tl.bfloat16))
 
 
-def dw_accumulate(grad, h, out, config, num_sms: int, subtile: bool, warp_specialize: bool, prefetch: bool = False):
-    """dW += G.T @ h with the epilogue-accumulating kernel."""
+def product(
+    kind: str, grad, h, w, out, config, num_sms: int, accumulate: str | None = None, warp_specialize: bool = False
+):
+    """dh = G @ W ([C, D]) or dW (+)= G.T @ h ([V, D]) with the generic kernel; ``accumulate``: a key of
+    ACCUMULATE_MODES."""
     block_m, block_n, block_k, stages, warps = config
-    m, k, n = grad.shape[1], grad.shape[0], h.shape[1]
-    g_desc = TensorDescriptor.from_tensor(grad, [block_k, block_m])
-    h_desc = TensorDescriptor.from_tensor(h, [block_k, block_n])
-    c_desc = TensorDescriptor.from_tensor(out, [block_m, block_n // 2 if subtile and not prefetch else block_n])
-    grid = (min(num_sms, triton.cdiv(m, block_m) * triton.cdiv(n, block_n)),)
-    _dw_accumulate_kernel[grid](
-        g_desc, h_desc, c_desc, m, n, k,
-        NUM_SMS=num_sms, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=8,
-        SUBTILE=subtile, WARP_SPECIALIZE=warp_specialize, PREFETCH=prefetch, num_stages=stages, num_warps=warps,
-    )  # fmt: skip
-
-
-def product(kind: str, grad, h, w, out, config, num_sms: int, accumulate: bool = False):
-    """dh = G @ W ([C, D]) or dW = G.T @ h ([V, D]) with the generic kernel."""
-    block_m, block_n, block_k, stages, warps = config
-    if accumulate:  # the loaded tile's layout change takes shared memory of its own: one stage fewer
+    if accumulate == "start":  # the loaded tile's layout change takes shared memory of its own: one stage fewer
         stages = max(2, stages - 1)
     if kind == "dh":
         m, k, n = grad.shape[0], grad.shape[1], w.shape[1]
@@ -220,12 +176,13 @@ def product(kind: str, grad, h, w, out, config, num_sms: int, accumulate: bool =
         a_desc = TensorDescriptor.from_tensor(grad, [block_k, block_m])
         b_desc = TensorDescriptor.from_tensor(h, [block_k, block_n])
         a_m_major = True
-    c_desc = TensorDescriptor.from_tensor(out, [block_m, block_n])
+    c_desc = TensorDescriptor.from_tensor(out, [block_m, block_n // 2 if accumulate == "after_halves" else block_n])
     grid = (min(num_sms, triton.cdiv(m, block_m) * triton.cdiv(n, block_n)),)
     _gemm_kernel[grid](
         a_desc, b_desc, c_desc, out, m, n, k,
         NUM_SMS=num_sms, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=8,
-        A_M_MAJOR=a_m_major, B_K_MAJOR=False, ACCUMULATE=accumulate, num_stages=stages, num_warps=warps,
+        A_M_MAJOR=a_m_major, B_K_MAJOR=False, ACCUMULATE=ACCUMULATE_MODES[accumulate],
+        WARP_SPECIALIZE=warp_specialize, num_stages=stages, num_warps=warps,
     )  # fmt: skip
 
 
@@ -295,29 +252,30 @@ def probe_backward(shape: str, rows: int, w: torch.Tensor, rounds: int, num_sms:
             print(f"{shape} C={rows} {kind} {config}: rel err vs cuBLAS {error:.3g}")
             variants[f"triton {config}"] = lambda c=config, k=kind, o=out: product(k, grad, h, w, o, c, num_sms)
             if kind == "dw":
-                variants[f"triton += {config}"] = lambda c=config, o=out: product("dw", grad, h, w, o, c, num_sms, True)
-                for subtile, ws, prefetch in (
-                    (False, False, False),
-                    (True, False, False),
-                    (True, True, False),
-                    (False, False, True),
-                    (False, True, True),
+                variants[f"triton += {config}"] = lambda c=config, o=out: product(
+                    "dw", grad, h, w, o, c, num_sms, "start"
+                )
+                for mode, ws in (
+                    ("after", False),
+                    ("after_halves", False),
+                    ("after_halves", True),
+                    ("prefetch", False),
+                    ("prefetch", True),
                 ):
-                    for stage_count in (2, 3) if prefetch else (config[3],):
+                    for stage_count in (2, 3) if mode == "prefetch" else (config[3],):
                         cfg = (*config[:3], stage_count, config[4])
-                        flags = f"{' sub' if subtile else ''}{' ws' if ws else ''}{' prefetch' if prefetch else ''}"
-                        name = f"triton +=epi{flags} {cfg}"
+                        name = f"triton += {mode}{' ws' if ws else ''} {cfg}"
                         before = out.clone()
                         try:
-                            dw_accumulate(grad, h, out, cfg, num_sms, subtile, ws, prefetch)
+                            product("dw", grad, h, w, out, cfg, num_sms, mode, ws)
                         except Exception as err:
                             print(f"{shape} C={rows} {name}: {type(err).__name__}: {str(err)[:160]}")
                             continue
                         expect = before.float() + reference.float()
                         error = float((out.float() - expect).norm() / expect.norm())
                         print(f"{shape} C={rows} {name}: rel err vs fp32 sum {error:.3g}")
-                        variants[name] = lambda c=cfg, o=out, s=subtile, x=ws, p=prefetch: dw_accumulate(
-                            grad, h, o, c, num_sms, s, x, p
+                        variants[name] = lambda c=cfg, o=out, m=mode, x=ws: product(
+                            "dw", grad, h, w, o, c, num_sms, m, x
                         )
         results += _time(shape, rows, kind, variants, rounds, 2 * rows * v * d)
     return results
