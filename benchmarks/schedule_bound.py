@@ -13,6 +13,8 @@ on cuBLAS pays at least the chunk schedule's GEMMs. This times, in one process a
   the op keeps it), on a realistic G (softmax minus one-hot of the first chunk's logits, scaled by 1/N);
 * ``schedule_dw_mm``: the same with every dW product a plain ``mm`` (no read of the old dW: what a
   free accumulation would cost; numerically wrong, a bound only);
+* ``schedule_two_streams``: the same with each chunk's dW product on a second stream beside its dh
+  product (both only read the chunk's G), so that the dW read-back can overlap dh's compute;
 * ``schedule_dh_split{S}``: dh as a split-K ``bmm`` over S vocabulary slices into fp32 partials, summed
   and rounded once (more output tiles for thin D);
 * ``schedule[c=R]`` (``--chunk-rows``): the schedule with R-row chunks (e.g. the largest chunk a memory
@@ -46,7 +48,7 @@ from bench_common import env_info, make_inputs  # noqa: E402
 from bench_lce import SHAPES, build  # noqa: E402
 
 from lce_patch.ops.linear_cross_entropy import fused_linear_cross_entropy  # noqa: E402
-from lce_patch.ops.linear_cross_entropy.chunked import resolve_chunk_rows  # noqa: E402
+from lce_patch.ops.linear_cross_entropy.chunked import resolve_chunks  # noqa: E402
 
 SHAPE_NAMES = ("llama3-8b", "qwen2.5-7b", "gemma2-2b")  # bench_lce.py's shapes with a trainable W
 
@@ -76,7 +78,7 @@ def measure(name: str, rounds: int, splits: list[int], chunk_rows: list[int]) ->
     h, w, y = make_inputs(n, d, v, dtype=torch.bfloat16, device="cuda", data="peaked", softcap=softcap, ignore_every=0)
     hidden = h.detach().requires_grad_(True)
     weight = w.detach().requires_grad_(True)
-    rows = resolve_chunk_rows(None, n, hidden, weight, use_triton=True, any_grad=True)
+    rows = resolve_chunks(None, n, hidden, weight, use_triton=True, any_grad=True)[0][1]  # the first chunk's rows
     largest = max([rows, *chunk_rows])
     buffer = torch.empty(largest, v, device="cuda", dtype=torch.bfloat16)
     grad = torch.empty(largest, v, device="cuda", dtype=torch.bfloat16)
@@ -92,29 +94,39 @@ def measure(name: str, rounds: int, splits: list[int], chunk_rows: list[int]) ->
     dh = torch.empty(n, d, device="cuda", dtype=torch.bfloat16)
     dw = torch.empty(v, d, device="cuda", dtype=torch.bfloat16)
 
-    def schedule(dh_product=None, dw_accumulate=True, chunk=rows):
+    side = torch.cuda.Stream()
+
+    def schedule(dh_product=None, dw_accumulate=True, chunk=rows, two_streams=False):
+        main = torch.cuda.current_stream()
         for index, part in enumerate(_chunks(n, chunk)):
             c = part.stop - part.start
             torch.mm(h[part], w.t(), out=buffer[:c])
             g = grad[:c]
+            if two_streams:  # dW on a side stream beside dh; the next chunk waits for both
+                side.wait_stream(main)
+            with torch.cuda.stream(side if two_streams else main):
+                if index == 0 or not dw_accumulate:
+                    torch.mm(g.t(), h[part], out=dw)
+                else:
+                    dw.addmm_(g.t(), h[part])
             if dh_product is None:
                 torch.mm(g, w, out=dh[part])
             else:
                 dh_product(g, dh[part])
-            if index == 0 or not dw_accumulate:
-                torch.mm(g.t(), h[part], out=dw)
-            else:
-                dw.addmm_(g.t(), h[part])
+            if two_streams:
+                main.wait_stream(side)
 
     full_logits = torch.empty(n, v, device="cuda", dtype=torch.bfloat16)
     variants = {
         "floor": None,  # timed as three GEMMs below
         "schedule": schedule,
         "schedule_dw_mm": lambda: schedule(dw_accumulate=False),
+        "schedule_two_streams": lambda: schedule(two_streams=True),
     }
     for chunk in chunk_rows:
         variants[f"schedule[c={chunk}]"] = lambda c=chunk: schedule(chunk=c)
         variants[f"schedule_dw_mm[c={chunk}]"] = lambda c=chunk: schedule(dw_accumulate=False, chunk=c)
+        variants[f"schedule_two_streams[c={chunk}]"] = lambda c=chunk: schedule(chunk=c, two_streams=True)
     reference = torch.mm(grad[:rows], w)
     for s in splits:
         partials = torch.empty(s, rows, d, device="cuda", dtype=torch.float32)

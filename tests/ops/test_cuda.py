@@ -108,3 +108,31 @@ def test_triton_mean_logits_and_log_sum_sq_probs(dtype, atol, options):
     for got, want in zip((out.mean_logits, out.log_sum_sq_probs), ref, strict=True):
         error = (got.double().cpu() - want).abs().max()
         assert error < atol, error
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_weight_grads_on_a_side_stream_equal_the_serial_order(monkeypatch, dtype, reduction):
+    # Each chunk's dW GEMM runs on a second stream beside its dh GEMM (chunked.OVERLAP_WEIGHT_GRADS):
+    # the same GEMMs on the same inputs, so loss and gradients must be bitwise those of the serial
+    # order, also when the caller works on a stream of its own and for the recomputing backward.
+    from lce_patch.ops.linear_cross_entropy import chunked
+
+    gen = torch.Generator(device=CUDA).manual_seed(0)
+    hidden = torch.randn(700, 96, device=CUDA, generator=gen).to(dtype)
+    weight = (torch.randn(3001, 96, device=CUDA, generator=gen) / 96**0.5).to(dtype)
+    labels = torch.randint(0, 3001, (700,), device=CUDA, generator=gen)
+    results = {}
+    for overlap in (False, True):
+        monkeypatch.setattr(chunked, "OVERLAP_WEIGHT_GRADS", overlap)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+            loss = fused_linear_cross_entropy(h, w, labels, chunk_size=128, reduction=reduction)
+            loss.backward(torch.ones_like(loss))
+        torch.cuda.current_stream().wait_stream(stream)
+        results[overlap] = (loss, h.grad, w.grad)
+    for serial, overlapped in zip(results[False], results[True], strict=True):
+        assert torch.equal(serial, overlapped)
+    assert torch.isfinite(results[True][2]).all() and results[True][2].abs().sum() > 0

@@ -356,6 +356,33 @@ def test_chunk_size_does_not_change_the_result(backend, chunk_size):
     check_against_reference({"softcap": 4.0}, backend=backend, chunk_size=chunk_size)
 
 
+def test_chunk_spans_fold_a_short_tail_only_at_the_default():
+    from lce_patch.ops.linear_cross_entropy.chunked import chunk_spans
+
+    assert chunk_spans(8200, 1024, fold_tail=True)[-2:] == ((6144, 7168), (7168, 8200))  # 8 chunks, not 9
+    assert len(chunk_spans(8200, 1024)) == 9 and chunk_spans(8200, 1024)[-1] == (8192, 8200)  # a cap as given
+    assert len(chunk_spans(8319, 1024, fold_tail=True)) == 8  # 127 rows: less than one 128-row tile
+    assert len(chunk_spans(8320, 1024, fold_tail=True)) == 9  # a whole tile: a chunk of its own
+    assert len(chunk_spans(8192, 1152, fold_tail=True)) == 8  # Qwen2.5's 7 x 1152 + 128 (its memory target)
+    assert len(chunk_spans(260, 64, fold_tail=True)) == 4  # 4 rows <= 64 / 8 (the torch backend's small chunks)
+    assert len(chunk_spans(265, 64, fold_tail=True)) == 5  # 9 rows > 64 / 8
+    assert chunk_spans(100, 1024, fold_tail=True) == ((0, 100),)
+    assert chunk_spans(0, 1024, fold_tail=True) == ()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("options", [{"softcap": 4.0}, {"reduction": "none"}])
+def test_default_chunks_with_a_folded_tail_give_the_reference_result(backend, options, monkeypatch):
+    from lce_patch.ops.linear_cross_entropy import chunked
+
+    seen = []
+    real = chunked.resolve_chunks
+    monkeypatch.setattr(chunked, "default_chunk_rows", lambda *args, **kwargs: 16)
+    monkeypatch.setattr(chunked, "resolve_chunks", lambda *args: seen.append(real(*args)) or seen[-1])
+    check_against_reference(options, backend=backend, chunk_size=None, size={"n": 33})
+    assert seen and all(chunks == ((0, 16), (16, 33)) for chunks in seen)  # 1 row folded into the last chunk
+
+
 def test_default_chunk_rows_fill_the_gpu_for_thin_hidden_sizes():
     from lce_patch.ops.linear_cross_entropy.chunked import default_chunk_rows
 

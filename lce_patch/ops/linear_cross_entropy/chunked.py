@@ -73,6 +73,17 @@ CHUNK_ROW_MULTIPLE = 128
 # in 69 chunks gave a dW error of 1.2e-2 vs 2.1e-3 in one chunk), so the default chunk grows with
 # N instead: at most 16 bf16 roundings, at the cost of N*V*2/16 bytes of logits buffer.
 MAX_BF16_DW_CHUNKS = 16
+# Whether a chunk's dW GEMM runs on a second CUDA stream beside its dh GEMM (_GradAccumulator;
+# on the H100 1.1 ms faster per Llama-3-8B step, 0.2-0.4 ms on Qwen2.5 and Gemma-2, NOTES v19).
+OVERLAP_WEIGHT_GRADS = True
+# Every chunk costs a read and write of the whole dW (its product is added into it) and, for a few
+# rows, two GEMMs that stream all of W: a last chunk of 8 rows costs as much as ~250 rows of work.
+# At the default, a remainder of less than one 128-row tile (and at most 1/8 of the chunk) joins the
+# last full chunk instead (N = 8200 on Llama-3-8B: 7 x 1024 + 1032 rows, not 8 x 1024 + 8): the
+# GEMMs then run the same number of tiles, and the buffer grows by fewer than 128 rows (longer tails
+# would also save time, but their rows would take the Qwen2.5 shape at N = 8192 past its memory
+# target). A chunk_size the user gives is kept as a cap.
+TAIL_FOLD_FRACTION = 8
 # A forward without gradients holds no dW: its buffer may take those bytes too (D more rows when W
 # and the buffer share a dtype), so evaluation never needs more memory than a training step of the
 # same batch. Fewer, longer chunks run the logits GEMM faster: on the H100, forward only, Llama-3-8B
@@ -126,6 +137,17 @@ def default_chunk_rows(
         # than 8 x 1024; Gemma-2 4 x 1792 + 1024 1.1 ms faster than 5 x 1664).
         rows = min(rows, max(_round_up(-(-num_rows // chunks), tile if use_triton else 16), fill_rows))
     return rows
+
+
+def chunk_spans(num_rows: int, chunk_rows: int, fold_tail: bool = False) -> tuple[tuple[int, int], ...]:
+    """(start, stop) of each chunk of ``num_rows`` rows: ``chunk_rows`` rows each, the last one shorter;
+    with ``fold_tail``, a last chunk of fewer than ``CHUNK_ROW_MULTIPLE`` rows and at most
+    ``chunk_rows // TAIL_FOLD_FRACTION`` joins the one before it."""
+    starts = list(range(0, num_rows, chunk_rows))
+    tail_limit = min(chunk_rows // TAIL_FOLD_FRACTION, CHUNK_ROW_MULTIPLE - 1)
+    if fold_tail and len(starts) > 1 and num_rows - starts[-1] <= tail_limit:
+        starts.pop()
+    return tuple(zip(starts, [*starts[1:], num_rows]))
 
 
 def _round_up(value: int, multiple: int) -> int:
@@ -190,6 +212,14 @@ class _GradAccumulator:
         db_dtype = stats_dtype(bias.dtype) if needs_bias else None
         self.db = torch.zeros(bias.shape, dtype=db_dtype, device=bias.device) if needs_bias else None
         self._dw_written = False
+        # With both dh and dW to compute on a GPU, each chunk's weight-gradient GEMMs run on a second
+        # stream beside its dh GEMM: both only read the chunk's G, and cuBLAS's dW ``addmm_`` spends
+        # part of its time reading the old dW, which dh's compute then covers (NOTES v19). Not with a
+        # row selection (``skip_ignored``): there dh is written over the gathered rows the dW GEMM
+        # reads, and the A/B showed no gain worth a scratch copy.
+        self._side_stream = None
+        if OVERLAP_WEIGHT_GRADS and hidden.is_cuda and self.dh is not None and self.dw is not None:
+            self._side_stream = _side_stream(hidden.device)
 
     @property
     def takes_row_factor(self) -> bool:
@@ -230,6 +260,16 @@ class _GradAccumulator:
         before its one rounding; only for dh alone (:attr:`takes_row_factor`)."""
         if row_factor is not None and not self.takes_row_factor:
             raise ValueError("_GradAccumulator: a row_factor is only taken when dh is the only gradient")
+        if isinstance(rows, slice) and self._side_stream is not None:
+            # The side stream starts after everything queued so far (G written) and is joined before
+            # anything else runs, so G's buffer and dW are reused or freed only after it.
+            main = torch.cuda.current_stream(grad_chunk.device)
+            self._side_stream.wait_stream(main)
+            with torch.cuda.stream(self._side_stream):
+                self._add_weight_grads(grad_chunk, hidden_chunk)
+            self._dh_product(grad_chunk, row_factor, self.dh[rows])
+            main.wait_stream(self._side_stream)
+            return
         self._add_weight_grads(grad_chunk, hidden_chunk)
         if self.dh is None:
             return
@@ -268,6 +308,17 @@ class _GradAccumulator:
         dw = self.dw.to(weight_dtype) if self.dw is not None else None
         db = self.db.to(bias_dtype) if self.db is not None else None
         return self.dh, dw, db
+
+
+_SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
+
+
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    """One extra stream per GPU for the weight-gradient GEMMs (created on first use)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SIDE_STREAMS:
+        _SIDE_STREAMS[index] = torch.cuda.Stream(device=index)
+    return _SIDE_STREAMS[index]
 
 
 def _reuse_as(buffer: torch.Tensor, shape: torch.Size) -> torch.Tensor:
@@ -345,21 +396,22 @@ def _rescaled(grad: torch.Tensor | None, factor: torch.Tensor, in_place: bool) -
     return grad * factor  # a saved tensor scaled in place would fail a second backward's version check
 
 
-def resolve_chunk_rows(
+def resolve_chunks(
     chunk_size: int | None,
     processed_rows: int,
     hidden: torch.Tensor,
     weight: torch.Tensor,
     use_triton: bool,
     any_grad: bool,
-) -> int:
-    """``chunk_size``, or :func:`default_chunk_rows` for ``processed_rows`` rows."""
+) -> tuple[tuple[int, int], ...]:
+    """The (start, stop) row spans of the chunks over ``processed_rows`` rows: ``chunk_size`` rows
+    each, or :func:`default_chunk_rows`'s with a short remainder folded into the last chunk."""
     if chunk_size is not None:
-        return chunk_size
+        return chunk_spans(processed_rows, chunk_size)
     num_sms = torch.cuda.get_device_properties(hidden.device).multi_processor_count if hidden.is_cuda else None
     # Evaluation of a trainable W: the buffer may take the bytes its dW would have taken.
     spare = weight.numel() * weight.element_size() if weight.requires_grad and not any_grad else 0
-    return default_chunk_rows(
+    rows = default_chunk_rows(
         processed_rows,
         weight.shape[0],
         hidden.dtype,
@@ -368,6 +420,11 @@ def resolve_chunk_rows(
         num_sms=num_sms,
         spare_bytes=spare,
     )
+    return chunk_spans(processed_rows, rows, fold_tail=True)
+
+
+def _buffer_rows(chunks: tuple[tuple[int, int], ...]) -> int:
+    return max((stop - start for start, stop in chunks), default=1)
 
 
 @dataclass(frozen=True)
@@ -401,7 +458,7 @@ class ForwardOutputs(NamedTuple):
     log_sum_sq: [N] (0 / False where ignored) or None when not wanted. For the backward: ``row_index`` (the processed rows, None for all), their
     ``row_labels`` [M], ``lse`` [M] and ``processed_entropy`` [M] (None without entropy); ``grads``
     (dh, dw, db, each None when not needed) when the gradient was computed in the forward, and
-    ``grad_scale`` (the factor precomputed gradients carry, per-token outputs only); ``chunk_rows``.
+    ``grad_scale`` (the factor precomputed gradients carry, per-token outputs only); ``chunks``, the (start, stop) row spans used.
     """
 
     loss: torch.Tensor
@@ -415,7 +472,7 @@ class ForwardOutputs(NamedTuple):
     row_labels: torch.Tensor
     grads: tuple | None
     grad_scale: torch.Tensor | None
-    chunk_rows: int
+    chunks: tuple[tuple[int, int], ...]
 
 
 def _reduce_scale(
@@ -471,7 +528,7 @@ def _chunked_forward(hidden, weight, bias, labels, num_items, options: ChunkedOp
     want_entropy, want_top1, want_mean_logit, want_log_sum_sq = options.want
     needs_hidden, needs_weight, needs_bias = options.needs_grad
     any_grad = needs_hidden or needs_weight or needs_bias
-    chunk_rows = resolve_chunk_rows(options.chunk_size, num_rows, hidden, weight, use_triton, any_grad)
+    chunks = resolve_chunks(options.chunk_size, num_rows, hidden, weight, use_triton, any_grad)
     scalar_loss = reduce_scale is not None
     # Per-token outputs with precompute_grad: the gradient of sum(loss) / n_valid is computed now
     # (6*N*V*D FLOPs), and the backward uses it when the upstream gradient turns out uniform.
@@ -503,7 +560,7 @@ def _chunked_forward(hidden, weight, bias, labels, num_items, options: ChunkedOp
     target_raw = None
     if hidden.dtype in (torch.float16, torch.bfloat16) or shard is not None:
         target_raw = target_logits(hidden, weight, bias, labels, use_triton, row_index)
-    buffer = torch.empty(min(chunk_rows, max(num_rows, 1)), vocab_size, dtype=hidden.dtype, device=device)
+    buffer = torch.empty(_buffer_rows(chunks), vocab_size, dtype=hidden.dtype, device=device)
     shard_pass = None
     if shard is not None:
         shard_pass = ShardRowPass(shard, transform, buffer.shape[0], use_triton, hidden.dtype, device)
@@ -520,8 +577,7 @@ def _chunked_forward(hidden, weight, bias, labels, num_items, options: ChunkedOp
         and fp32_output_gemm_available(device)
     ):
         row_factor = torch.empty(buffer.shape[0], dtype=torch.float32, device=device)
-    for start in range(0, num_rows, chunk_rows):
-        stop = min(start + chunk_rows, num_rows)
+    for start, stop in chunks:
         raw = buffer[: stop - start]
         rows = slice(start, stop) if row_index is None else row_index[start:stop]
         hidden_chunk = _chunk_rows_of(hidden, rows, start, grads, gathered)
@@ -559,7 +615,7 @@ def _chunked_forward(hidden, weight, bias, labels, num_items, options: ChunkedOp
         row_labels=row_labels,
         grads=computed,
         grad_scale=grad_scale if precompute else None,
-        chunk_rows=chunk_rows,
+        chunks=chunks,
     )
 
 
@@ -575,11 +631,12 @@ def chunked_backward(
     grad_entropy: torch.Tensor | None,
     needs_grad: tuple[bool, bool, bool],
     transform: LogitTransform,
-    chunk_rows: int,
+    chunks: tuple[tuple[int, int], ...],
     use_triton: bool,
     shard: VocabShard | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-    """Gradients of per-token outputs by recomputing each chunk's logits (8*N*V*D FLOPs in all).
+    """Gradients of per-token outputs by recomputing each chunk's logits (8*N*V*D FLOPs in all), over
+    the (start, stop) row spans ``chunks`` (:func:`resolve_chunks`).
 
     ``row_labels``, ``lse`` and ``entropy`` are of the processed rows (``row_index``, or all);
     ``grad_loss`` and ``grad_entropy`` (None: no gradient) are of all N rows. Returns (dh, dw, db).
@@ -599,10 +656,9 @@ def chunked_backward(
         grad_entropy = grad_entropy.reshape(-1).to(acc_dtype).contiguous() if grad_entropy is not None else None
         num_rows = row_labels.shape[0]
         if (grad_loss is not None or grad_entropy is not None) and num_rows > 0:
-            buffer = torch.empty(min(chunk_rows, num_rows), vocab_size, dtype=hidden.dtype, device=hidden.device)
+            buffer = torch.empty(_buffer_rows(chunks), vocab_size, dtype=hidden.dtype, device=hidden.device)
             gathered = _gather_buffer(hidden, row_index, buffer.shape[0], grads)
-            for start in range(0, num_rows, chunk_rows):
-                stop = min(start + chunk_rows, num_rows)
+            for start, stop in chunks:
                 raw = buffer[: stop - start]
                 rows = slice(start, stop) if row_index is None else row_index[start:stop]
                 hidden_chunk = _chunk_rows_of(hidden, rows, start, grads, gathered)
@@ -654,7 +710,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         # zeros, so the backward can skip their terms.
         ctx.set_materialize_grads(False)
         ctx.transform = options.transform
-        ctx.chunk_rows = result.chunk_rows
+        ctx.chunks = result.chunks
         ctx.use_triton = options.use_triton
         ctx.shard = options.shard
         scalar_loss = ctx.scalar_loss = options.reduction is not None
@@ -729,7 +785,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             grad_entropy,
             tuple(ctx.needs_input_grad[:3]),
             ctx.transform,
-            ctx.chunk_rows,
+            ctx.chunks,
             ctx.use_triton,
             ctx.shard,
         )

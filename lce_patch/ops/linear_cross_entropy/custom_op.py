@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from .checks import selected_rows
-from .chunked import ChunkedOptions, _uniform_factor, chunked_backward, chunked_forward, resolve_chunk_rows
+from .chunked import ChunkedOptions, _uniform_factor, chunked_backward, chunked_forward, resolve_chunks
 from .rows import LogitTransform, stats_dtype
 
 _FORWARD = "lce_patch::linear_cross_entropy"
@@ -234,7 +234,7 @@ def _backward_op(
         def rows_of(values: torch.Tensor) -> torch.Tensor:
             return values if row_index is None else values.index_select(0, row_index)
 
-        chunk_rows = resolve_chunk_rows(chunk_size, row_labels.shape[0], hidden, weight, use_triton, True)
+        chunks = resolve_chunks(chunk_size, row_labels.shape[0], hidden, weight, use_triton, True)
         grads = chunked_backward(
             hidden,
             weight,
@@ -247,7 +247,7 @@ def _backward_op(
             grad_entropy,
             options.needs_grad,
             options.transform,
-            chunk_rows,
+            chunks,
             use_triton,
         )
     dh, dw, db = grads
