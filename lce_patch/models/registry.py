@@ -138,7 +138,8 @@ _OVERRIDES: dict[str, dict] = {
 
 # Proven equal to the unpatched model (loss, every gradient, inference logits, generate, revert) by
 # tests/models/test_every_architecture.py on transformers 5.23 and 5.24 (types of 5.24 only: apertus1p5,
-# apertus1p5_text, exaone, hy_v4_vl, inkling2_loop, inkling2_loop_text, lara_mini, sarvam_mla, sarvam_moe). Adding a type is adding its name.
+# apertus1p5_text, exaone, hy_v4_vl, inkling2_loop, inkling2_loop_text, lara_mini, sarvam_mla,
+# sarvam_moe). Adding a type is adding its name.
 _REGISTERED = """
 afmoe apertus apertus1p5 apertus1p5_text arcee aria aria_text axk1 axk2 aya_vision bailing_hybrid bamba beam bert bert-generation
 big_bird biogpt bitnet blip-2 bloom blt camembert codegen cohere cohere2 cohere2_moe cohere2_vision

@@ -218,7 +218,13 @@ class _GradAccumulator:
         # row selection (``skip_ignored``): there dh is written over the gathered rows the dW GEMM
         # reads, and the A/B showed no gain worth a scratch copy.
         self._side_stream = None
-        if OVERLAP_WEIGHT_GRADS and hidden.is_cuda and self.dh is not None and self.dw is not None:
+        if (
+            OVERLAP_WEIGHT_GRADS
+            and hidden.is_cuda
+            and row_index is None
+            and self.dh is not None
+            and self.dw is not None
+        ):
             self._side_stream = _side_stream(hidden.device)
 
     @property
@@ -260,7 +266,7 @@ class _GradAccumulator:
         before its one rounding; only for dh alone (:attr:`takes_row_factor`)."""
         if row_factor is not None and not self.takes_row_factor:
             raise ValueError("_GradAccumulator: a row_factor is only taken when dh is the only gradient")
-        if isinstance(rows, slice) and self._side_stream is not None:
+        if self._side_stream is not None:  # rows is a slice: no row selection
             # The side stream starts after everything queued so far (G written) and is joined before
             # anything else runs, so G's buffer and dW are reused or freed only after it.
             main = torch.cuda.current_stream(grad_chunk.device)
