@@ -110,29 +110,38 @@ def test_triton_mean_logits_and_log_sum_sq_probs(dtype, atol, options):
         assert error < atol, error
 
 
+@pytest.mark.parametrize("layout", ["contiguous", "views"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("reduction", ["mean", "none"])
-def test_weight_grads_on_a_side_stream_equal_the_serial_order(monkeypatch, dtype, reduction):
+def test_weight_grads_on_a_side_stream_equal_the_serial_order(monkeypatch, dtype, reduction, layout):
     # Each chunk's dW GEMM runs on a second stream beside its dh GEMM (chunked.OVERLAP_WEIGHT_GRADS):
     # the same GEMMs on the same inputs, so loss and gradients must be bitwise those of the serial
-    # order, also when the caller works on a stream of its own and for the recomputing backward.
+    # order, also when the caller works on a stream of its own, for the recomputing backward, and for
+    # views (column-major hidden and weight, a strided bias, labels sliced from a wider tensor).
     from lce_patch.ops.linear_cross_entropy import chunked
 
     gen = torch.Generator(device=CUDA).manual_seed(0)
     hidden = torch.randn(700, 96, device=CUDA, generator=gen).to(dtype)
     weight = (torch.randn(3001, 96, device=CUDA, generator=gen) / 96**0.5).to(dtype)
-    labels = torch.randint(0, 3001, (700,), device=CUDA, generator=gen)
+    bias = torch.randn(3001, 2, device=CUDA, generator=gen).to(dtype)  # the views take column 1 (stride 2)
+    labels = torch.randint(0, 3001, (700, 2), device=CUDA, generator=gen)[:, 1]  # stride 2
+    if layout == "views":
+        hidden, weight = hidden.t().contiguous().t(), weight.t().contiguous().t()  # column-major
+    else:
+        bias, labels = bias[:, 1:].contiguous(), labels.contiguous()
     results = {}
     for overlap in (False, True):
         monkeypatch.setattr(chunked, "OVERLAP_WEIGHT_GRADS", overlap)
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
-            loss = fused_linear_cross_entropy(h, w, labels, chunk_size=128, reduction=reduction)
+            h, w, b = (t.detach().clone().requires_grad_() for t in (hidden, weight, bias))  # clone keeps strides
+            b_view = b[:, 1] if layout == "views" else b[:, 0]
+            loss = fused_linear_cross_entropy(h, w, labels, bias=b_view, chunk_size=128, reduction=reduction)
             loss.backward(torch.ones_like(loss))
         torch.cuda.current_stream().wait_stream(stream)
-        results[overlap] = (loss, h.grad, w.grad)
+        results[overlap] = (loss, h.grad, w.grad, b.grad)
+    assert layout == "contiguous" or (h.stride() == (1, 700) and w.stride() == (1, 3001) and b_view.stride() == (2,))
     for serial, overlapped in zip(results[False], results[True], strict=True):
         assert torch.equal(serial, overlapped)
     assert torch.isfinite(results[True][2]).all() and results[True][2].abs().sum() > 0

@@ -85,7 +85,9 @@ def _make_labels(case: str, shape: tuple, generator) -> torch.Tensor:
     return _labels(generator, (2, shape[0]))[1]  # 1-D: a row of a 2-D tensor, stride 1 but offset
 
 
-def _run_case(hidden_case, weight_case, label_case, *, backend, dtype, bias, shift=False, per_token=False):
+def _run_case(
+    hidden_case, weight_case, label_case, *, backend, dtype, bias, shift=False, per_token=False, chunk_size=7
+):
     g = torch.Generator().manual_seed(hash((hidden_case, weight_case, label_case, bias, shift, per_token)) % 2**31)
     hidden_bases, make_hidden = HIDDEN_CASES[hidden_case](g)
     weight_base = WEIGHT_CASES[weight_case](g)
@@ -115,7 +117,7 @@ def _run_case(hidden_case, weight_case, label_case, *, backend, dtype, bias, shi
         ref = naive_token_outputs(make_hidden({"hidden": ref_h}), ref_w, labels, bias=ref_b)
         out = fused_linear_log_probs(
             make_hidden({"hidden": h}), w, labels, bias=b, shift=shift, return_entropy=True, return_is_top1=True,
-            return_mean_logits=True, return_log_sum_sq_probs=True, backend=backend, chunk_size=7,
+            return_mean_logits=True, return_log_sum_sq_probs=True, backend=backend, chunk_size=chunk_size,
         )  # fmt: skip
         statistics = naive_distribution_statistics(make_hidden({"hidden": ref_h}), ref_w, labels, bias=ref_b)
         for got, want in zip((out.mean_logits, out.log_sum_sq_probs), statistics, strict=True):
@@ -130,7 +132,7 @@ def _run_case(hidden_case, weight_case, label_case, *, backend, dtype, bias, shi
     else:
         ref_loss = naive_linear_cross_entropy(make_hidden({"hidden": ref_h}), ref_w, labels, bias=ref_b, shift=shift)
         loss = fused_linear_cross_entropy(
-            make_hidden({"hidden": h}), w, labels, bias=b, shift=shift, backend=backend, chunk_size=7
+            make_hidden({"hidden": h}), w, labels, bias=b, shift=shift, backend=backend, chunk_size=chunk_size
         )
         assert rel_err(loss, ref_loss) < TOLERANCE[dtype], (float(loss), float(ref_loss))
     ref_loss.backward()
@@ -196,3 +198,20 @@ def test_every_view_at_once_with_skipped_rows(backend):
     assert rel_err(loss, ref) < 1e-5
     for got, want in zip(ours, ref_inputs):
         assert rel_err(got.grad, want.grad) < 1e-5
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_views_through_the_default_chunks_with_a_folded_tail(backend, dtype, monkeypatch):
+    """Transposed hidden and weight, strided bias, sliced labels at the default chunking, made to end in a
+    folded tail (10-row chunks, a 4-row remainder joined to the last: 10 + 14 rows)."""
+    from lce_patch.ops.linear_cross_entropy import chunked
+
+    monkeypatch.setattr(chunked, "default_chunk_rows", lambda *args, **kwargs: 10)
+    monkeypatch.setattr(chunked, "TAIL_FOLD_FRACTION", 2)
+    assert chunked.chunk_spans(N, 10, fold_tail=True) == ((0, 10), (10, N))
+    for per_token in (False, True):
+        _run_case(
+            "transposed", "transposed", "sliced", backend=backend, dtype=dtype, bias=True, per_token=per_token,
+            chunk_size=None,
+        )  # fmt: skip
