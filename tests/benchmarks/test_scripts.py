@@ -24,6 +24,8 @@ SCRIPTS = [
     "tp_check.py",
     "probe_gemm_epilogue.py",
     "schedule_bound.py",
+    "probe_weight_grad.py",
+    "ab_setting.py",
     "sanitize.py",
 ]
 # DeepSpeed for the ZeRO checks on CPU, installed apart from the test environment (.ci/run puts it here):
