@@ -1,7 +1,8 @@
 """The weight gradient of one chunk, ``dW += G^T @ h``, as a Hopper Gluon GEMM that reads the old dW early.
 
 Probed for issue 18 and not kept in the op (benchmarks/NOTES.md v20; timed by probe_weight_grad.py): correct,
-but 1.10x cuBLAS's time even without reading the old tile, 1.24x with it, and +3 ms per Llama-3-8B step.
+but on the H100 1.08-1.17x cuBLAS's ``mm`` without the old tile, 1.09-1.29x its ``addmm_`` with it, and +3 ms
+per Llama-3-8B step in the op.
 
 Design note
 -----------
