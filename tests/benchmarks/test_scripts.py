@@ -82,8 +82,16 @@ def test_tp_check_on_cpu(part, arch, tmp_path):
     # script is known to run before its two-GPU run; tp_plan="auto" loading, patched vs unpatched step.
     from tests.multiprocess import free_port
 
-    launch = ["-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port())]
-    result = _run([*launch, "tp_check.py", "--cpu", "--part", part, "--arch", arch], tmp_path)
+    def launch_check() -> subprocess.CompletedProcess:
+        launch = ["-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port())]
+        return _run([*launch, "tp_check.py", "--cpu", "--part", part, "--arch", arch], tmp_path)
+
+    result = launch_check()
+    if result.returncode != 0 and "terminate called without an active exception" in result.stderr:
+        # Seen once in the 19 full-suite runs whose logs this machine keeps (session 13's fresh-clone CI): a
+        # rank aborted natively (SIGABRT, std::terminate) after its first step; 18 reruns did not repeat it. A second launch tells that apart from a real
+        # failure, which fails again (a wrong result exits 1 with FAIL, not an abort).
+        result = launch_check()
     assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
     assert f"PASS tp_check {part} {arch} world_size=2" in result.stdout
     report = json.loads((tmp_path / f"tp_check_{part}_{arch}.json").read_text())
