@@ -8,10 +8,10 @@ Design note
 -----------
 The chunked op adds each chunk's weight gradient into one bf16 ``dW`` [V, D]: ``dW += G^T h`` with
 ``G`` the chunk's logits gradient [C, V] and ``h`` its hidden rows [C, D], K = C (512-2048 rows).
-cuBLAS's ``addmm_`` reads each old dW tile in its epilogue, after the tile's main loop, so on the
-H100 a Llama-3-8B step spends ~2 ms more in its eight dW GEMMs than the same GEMMs writing a fresh
-output would (benchmarks/NOTES.md v17; a second stream hides about half of it, v19). The old tile is
-known before the main loop starts; only the order of the reads is wrong.
+cuBLAS's ``addmm_`` reads each old dW tile in its epilogue, after the tile's main loop: on the H100
+its eight dW GEMMs of a Llama-3-8B step take ~1.3 ms more than the same GEMMs writing a fresh output
+(benchmarks/NOTES.md v17, v20). The old tile is known before the main loop starts, so its read can be
+issued early.
 
 Algorithm. One persistent program per SM walks output tiles [128 (vocabulary), 256 (hidden)] of
 dW, vocabulary-major, so the programs running at once share G's columns in L2 and h ([C, D], a few
@@ -20,8 +20,8 @@ MiB) stays in L2. Each tile runs a K loop over the chunk's rows in steps of 64: 
 flight while the next two slots load, and the ring continues across tiles, so the next tile's first
 loads run under this tile's epilogue. Halfway through a tile's K loop a TMA copy brings the old dW
 tile into a shared buffer of its own (after waiting for the previous tile's store out of it), so
-the epilogue finds it there: it adds it to the fp32 accumulator, rounds once to the dW dtype (as
-``addmm_`` does) and starts a TMA store it waits for only when the buffer is needed again.
+the epilogue finds it there: it adds it to the fp32 accumulator, rounds once to the dW dtype and
+starts a TMA store it waits for only when the buffer is needed again.
 G's tile is the MMA's A operand read transposed from shared memory (G is [C, V] row-major).
 
 Memory: no global memory beyond dW; shared memory 3 x (16 + 32) KiB ring + 64 KiB dW tile = 208 KiB.
