@@ -25,7 +25,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_common import env_info, make_inputs  # noqa: E402
+from bench_common import IGNORE, env_info, make_inputs  # noqa: E402
 from bench_lce import SHAPES  # noqa: E402
 
 from lce_patch.ops.linear_cross_entropy import chunked, fused_linear_cross_entropy  # noqa: E402
@@ -65,7 +65,8 @@ def measure(name: str, n: int, setting: str, values: list, args) -> dict:
             base = torch.cuda.memory_allocated()
             step()
             torch.cuda.synchronize()
-            chunks = chunked.resolve_chunks(None, n, h, w, True, True)
+            processed = int((y != IGNORE).sum()) if args.skip_ignored else n  # the rows the op chunks
+            chunks = chunked.resolve_chunks(None, processed, h, w, True, True)
             row[repr(value)] = {
                 "ms": statistics.median(times[index]),
                 "ms_rounds": times[index],

@@ -198,12 +198,9 @@ def supports(dw: torch.Tensor, grad_chunk: torch.Tensor, hidden_chunk: torch.Ten
     return all(_tma_ready(t) for t in (dw, grad_chunk, hidden_chunk))
 
 
-_SM_COUNTS: dict[int, int] = {}
-
-
 def add_weight_grad_(dw: torch.Tensor, grad_chunk: torch.Tensor, hidden_chunk: torch.Tensor, accumulate: bool) -> None:
     """``dw = dw + grad_chunk.T @ hidden_chunk`` (or ``=`` without ``accumulate``) in place, fp32
-    accumulation and one rounding to dw's dtype, as ``torch.addmm`` does.
+    accumulation and one rounding to dw's dtype.
 
     dw: [V, D]; grad_chunk: [C, V]; hidden_chunk: [C, D]; one dtype (bf16 or fp16); call only where
     :func:`supports` says so."""
@@ -213,11 +210,9 @@ def add_weight_grad_(dw: torch.Tensor, grad_chunk: torch.Tensor, hidden_chunk: t
     g_desc = TensorDescriptor.from_tensor(grad_chunk, [BLOCK_ROWS, BLOCK_VOCAB], layout_g)
     h_desc = TensorDescriptor.from_tensor(hidden_chunk, [BLOCK_ROWS, BLOCK_HIDDEN], layout_h)
     dw_desc = TensorDescriptor.from_tensor(dw, [BLOCK_VOCAB, BLOCK_HIDDEN], layout_dw)
-    index = dw.device.index if dw.device.index is not None else torch.cuda.current_device()
-    if index not in _SM_COUNTS:
-        _SM_COUNTS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    num_sms = torch.cuda.get_device_properties(dw.device).multi_processor_count  # cached by torch
     tiles = -(-dw.shape[0] // BLOCK_VOCAB) * -(-dw.shape[1] // BLOCK_HIDDEN)
-    grid = (min(_SM_COUNTS[index], tiles),)
+    grid = (min(num_sms, tiles),)
     _weight_grad_kernel[grid](g_desc, h_desc, dw_desc, accumulate, NUM_BUFFERS, num_warps=NUM_WARPS)
 
 

@@ -89,8 +89,9 @@ def test_tp_check_on_cpu(part, arch, tmp_path):
     result = launch_check()
     if result.returncode != 0 and "terminate called without an active exception" in result.stderr:
         # Seen once in the 19 full-suite runs whose logs this machine keeps (session 13's fresh-clone CI): a
-        # rank aborted natively (SIGABRT, std::terminate) after its first step; 18 reruns did not repeat it. A second launch tells that apart from a real
-        # failure, which fails again (a wrong result exits 1 with FAIL, not an abort).
+        # rank aborted natively (SIGABRT, std::terminate) after its first step; 18 reruns did not repeat it.
+        # A second launch tells that apart from a real failure, which fails again (a wrong result exits 1
+        # with FAIL, not an abort).
         result = launch_check()
     assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
     assert f"PASS tp_check {part} {arch} world_size=2" in result.stdout
