@@ -4,19 +4,31 @@
 
 The model (or the model under a PEFT wrapper) is patched with :func:`lce_patch.apply_fused_lce` at the
 end of ``Trainer.__init__``, before accelerate prepares it, so the loss runs inside the model's
-forward under DDP, FSDP and DeepSpeed. Evaluation with labels returns the fused loss and no logits
-unless ``return_logits_in_eval=True`` (needed with ``compute_metrics``).
+forward under DDP, FSDP and DeepSpeed.
+
+Evaluation gives what the unpatched model gives: the Trainer's evaluation and prediction steps that
+need the logits (``predict()``, ``compute_metrics``, ``prediction_loss_only=False``) get them beside the
+fused loss, and the steps that need the loss only (``evaluate()`` without ``compute_metrics``) run
+without building them (``lce_patch.models.loss_only``). ``return_logits_in_eval=True`` always builds
+them; ``return_logits_in_eval=False`` never does, and a trainer that needs them is refused.
+
+TRL trainers that score a reference model inside ``__init__`` (DPO and KTO with
+``precompute_ref_log_probs=True``) have that pass served too: the callback wraps the trainer's
+``_precompute_ref_logps`` at the end of ``Trainer.__init__``, on that trainer instance only.
 """
 
 from __future__ import annotations
 
+import functools
 import inspect
 from typing import Any
 
 import torch
 from transformers import PreTrainedModel, Trainer, TrainerCallback
 
-from ..models import LCEOptions, apply_fused_lce, unwrap_causal_lm
+from ..models import LCEOptions, apply_fused_lce, loss_only, unwrap_causal_lm
+
+_WRAPPED_ATTR = "__lce_patch_wrapped__"
 
 
 def _liger_fuses_the_loss(args: Any) -> bool:
@@ -100,9 +112,58 @@ class FusedLCECallback(TrainerCallback):
         plain_nll = getattr(args, "loss_type", None) == "nll"
         return maybe_install_trl_head(model, dict(self.options), precompute_grad=plain_nll)
 
+    def check_trainer(self, trainer: Trainer | None) -> None:
+        """Refuse a trainer that needs evaluation logits when ``return_logits_in_eval=False`` was asked for."""
+        if trainer is None or self.options.get("return_logits_in_eval") is not False:
+            return
+        needs = [name for name in ("compute_metrics", "preprocess_logits_for_metrics") if getattr(trainer, name, None)]
+        if needs:
+            raise ValueError(
+                f"lce_patch: the Trainer has {' and '.join(needs)}, which need the evaluation logits, but "
+                "FusedLCECallback was given return_logits_in_eval=False. Drop that option (the callback then returns "
+                "the logits exactly where the Trainer needs them) or set it to True."
+            )
+
+    def serve_trainer(self, trainer: Trainer | None) -> None:
+        """Wrap, on this trainer instance, the methods whose model calls the callback must steer: the
+        evaluation step (logits only where the Trainer needs them) and TRL's reference-log-prob precompute
+        that runs inside ``__init__`` (served by lce_patch's head, installed just before it runs)."""
+        if trainer is None:
+            return
+        callback = self
+        step = trainer.prediction_step
+        if not getattr(step, _WRAPPED_ATTR, False):
+
+            @functools.wraps(step)
+            def prediction_step(model, inputs, prediction_loss_only, *args, **kwargs):
+                if not prediction_loss_only and callback.options.get("return_logits_in_eval") is False:
+                    raise ValueError(
+                        "lce_patch: this evaluation needs the logits (Trainer.predict(), or prediction_loss_only="
+                        "False), but FusedLCECallback was given return_logits_in_eval=False. Drop that option or "
+                        "set it to True."
+                    )
+                with loss_only(bool(prediction_loss_only)):
+                    return step(model, inputs, prediction_loss_only, *args, **kwargs)
+
+            setattr(prediction_step, _WRAPPED_ATTR, True)
+            trainer.prediction_step = prediction_step
+        precompute = getattr(trainer, "_precompute_ref_logps", None)
+        if callable(precompute) and not getattr(precompute, _WRAPPED_ATTR, False):
+
+            @functools.wraps(precompute)
+            def precompute_ref_logps(*args, **kwargs):
+                callback.install_trainer_heads(trainer.model, trainer.args, trainer)
+                return precompute(*args, **kwargs)
+
+            setattr(precompute_ref_logps, _WRAPPED_ATTR, True)
+            trainer._precompute_ref_logps = precompute_ref_logps
+
     def on_init_end(self, args, state, control, model=None, **kwargs):
         self.check_args(args)
+        trainer = _running_trainer(self)
+        self.check_trainer(trainer)
         self.patch_model(model)
+        self.serve_trainer(trainer)
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         self.check_args(args)

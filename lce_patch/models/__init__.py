@@ -6,7 +6,7 @@
 architecture's logit transform; ``revert_fused_lce`` undoes it.
 """
 
-from .forward import LCEOptions
+from .forward import LCEOptions, loss_only
 from .head import head_call, resolve_head_module, unwrap_causal_lm
 from .patch import apply_fused_lce, get_head_config, is_patched, revert_fused_lce
 from .registry import REGISTRY, UNSUPPORTED, ArchSpec, HeadConfig, supported_architectures
@@ -21,6 +21,7 @@ __all__ = [
     "get_head_config",
     "head_call",
     "is_patched",
+    "loss_only",
     "resolve_head_module",
     "revert_fused_lce",
     "supported_architectures",

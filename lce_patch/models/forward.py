@@ -13,15 +13,26 @@ auxiliary loss all stay the model's. Only two things differ while the job is arm
   logits argument, which ties the head's output, and so the backward hooks FSDP and ZeRO-3 put on
   it, into the loss's graph).
 
-Evaluation that wants the logits (``return_logits_in_eval``) gets the head's real output as the
-logits and the fused loss. Every other call (no labels, ``logits_to_keep``) is the original forward.
+Evaluation gets the head's real output as the logits, beside the fused loss, as the unpatched model
+returns them, unless the caller says it needs the loss only (``return_logits_in_eval=False``,
+``skip_logits=True``, or :func:`loss_only`, which ``FusedLCECallback`` uses around the Trainer's
+loss-only evaluation steps). Every other call (no ``labels``, ``logits_to_keep``) is the original forward.
+
+Where the fused loss cannot stand in for what the user set up on the model, a call runs the original,
+unfused forward and warns once per model, saying why (:func:`unfused_reason`): a custom
+``loss_function``, a forward hook on the LM head or on the model's output, or, under a class patch, a
+subclass that overrides ``forward``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import inspect
+import threading
+import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,7 +40,7 @@ import torch
 
 from ..ops.linear_cross_entropy.functional import fused_linear_cross_entropy, start_valid_token_count
 from ..ops.linear_cross_entropy.vocab_parallel import is_dtensor
-from .head import SLOT_ATTR, JobSlot, install_interceptor, resolve_head_module
+from .head import SLOT_ATTR, JobSlot, head_leaves, install_interceptor, resolve_head_module
 from .registry import HeadConfig
 
 # Marks a patched forward; holds the forward it replaced.
@@ -38,7 +49,6 @@ ORIGINAL_ATTR = "__lce_patch_original__"
 OPTIONS_ATTR = "_lce_patch_options"
 SPEC_ATTR = "_lce_patch_spec"
 PREVIOUS_FORWARD_ATTR = "_lce_patch_previous_forward"
-PREVIOUS_LOSS_ATTR = "_lce_patch_previous_loss_function"
 
 _BACKENDS = ("auto", "triton", "torch")
 
@@ -54,7 +64,9 @@ class LCEOptions:
     chunk_size: int | None = None
     deterministic: bool = False
     skip_ignored: bool = True
-    return_logits_in_eval: bool = False
+    # None: evaluation returns the logits like the unpatched model, except where the caller needs the
+    # loss only (``loss_only()``, ``skip_logits=True``); False: never; True: always
+    return_logits_in_eval: bool | None = None
     allow_unregistered: bool = False
 
     def __post_init__(self) -> None:
@@ -68,6 +80,10 @@ class LCEOptions:
             isinstance(self.chunk_size, bool) or not isinstance(self.chunk_size, int) or self.chunk_size < 1
         ):
             raise ValueError(f"lce_patch: chunk_size must be a positive int, got {self.chunk_size!r}")
+        if self.return_logits_in_eval not in (None, True, False):
+            raise ValueError(
+                f"lce_patch: return_logits_in_eval must be None, True or False, got {self.return_logits_in_eval!r}"
+            )
 
     @classmethod
     def from_kwargs(cls, options: dict[str, Any]) -> LCEOptions:
@@ -125,6 +141,7 @@ class LossJob:
         self.num_items_in_batch = call.get("num_items_in_batch")
         self.loss: torch.Tensor | None = None
         self.returned = False
+        self.num_valid_tokens: int | None = None
         self.read_valid_count = None
         if options.skip_ignored and not torch.compiler.is_compiling():
             # Counted before the decoder is queued, read in the head's call: the loss then skips
@@ -145,7 +162,7 @@ class LossJob:
             )
         targets, shift = self._targets()
         num_valid_tokens = self.read_valid_count() if self.read_valid_count is not None else None
-        self.loss = fused_linear_cross_entropy(
+        loss = fused_linear_cross_entropy(
             hidden,
             weight,
             targets.to(hidden.device),
@@ -163,9 +180,25 @@ class LossJob:
             skip_ignored=self.options.skip_ignored and num_valid_tokens is None,
             num_valid_tokens=num_valid_tokens,
         )
+        self.loss = self._as_hugging_face(loss, targets, shift, num_valid_tokens)
         if self.want_logits:  # evaluation that keeps the logits: the head's real output, the loss still fused
             return _head_logits(hidden, weight, bias)
         return self.loss.expand(*hidden.shape[:-1], 0)
+
+    def _as_hugging_face(
+        self, loss: torch.Tensor, targets: torch.Tensor, shift: bool, num_valid_tokens: int | None
+    ) -> torch.Tensor:
+        """The op's loss as Hugging Face's loss returns it: float32 (its loss upcasts the logits with
+        ``.float()``, also a float64 model's), and NaN for a batch whose labels are all ignored, its mean
+        over no token (the op's: 0). Gradients stay the op's zeros, so no NaN reaches the weights through
+        this term. With ``num_items_in_batch`` both compute ``sum / num_items_in_batch``."""
+        loss = loss.float()
+        if self.num_items_in_batch is not None:
+            return loss
+        if num_valid_tokens is not None:  # counted on the host already: no device work
+            return loss if num_valid_tokens > 0 else _nan_where(loss, torch.ones((), dtype=torch.bool))
+        valid = (targets[..., 1:] if shift else targets) != self.ignore_index
+        return _nan_where(loss, valid.sum() == 0)
 
     def loss_function(self, logits: torch.Tensor, labels: torch.Tensor | None = None, *args: Any, **kwargs: Any):
         """Stands in for the model's ``loss_function``: the fused loss, tied to the head's output."""
@@ -188,41 +221,177 @@ class LossJob:
         return self.loss + logits.narrow(-1, 0, 0).sum().to(self.loss.dtype)
 
 
+def _nan_where(loss: torch.Tensor, condition: torch.Tensor) -> torch.Tensor:
+    return torch.where(condition.to(loss.device), torch.nan, loss)
+
+
+_SLOT_LOCK = threading.Lock()
+
+
+class LossFunctionStandIn:
+    """A patched model's ``loss_function``: the fused loss while a job is armed in this thread, else the
+    function it replaced (``previous``; None: ``default``, Hugging Face's for the model). Picklable."""
+
+    def __init__(self, slot: JobSlot, previous: Any, default: Any) -> None:
+        self.slot = slot
+        self.previous = previous
+        self.default = default
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        job = self.slot.job
+        if job is not None:
+            return job.loss_function(*args, **kwargs)
+        return (self.previous or self.default)(*args, **kwargs)
+
+
 def ensure_slot(model: torch.nn.Module) -> JobSlot:
-    """The model's job slot, installing the head interceptor and the loss_function stand-in on first use."""
+    """The model's job slot, installing the head interceptor and the ``loss_function`` stand-in where they
+    are missing (first use, a head replaced by FSDP, PEFT or ``resize_token_embeddings``, a
+    ``loss_function`` set after patching). Safe to call from several threads."""
     head = model.get_output_embeddings()
     resolve_head_module(head)  # a LoRA layer put on the head after patching is refused, not skipped
     slot = model.__dict__.get(SLOT_ATTR)
     if slot is None:
-        slot = JobSlot()
-        model.__dict__[SLOT_ATTR] = slot
-        install_interceptor(head, slot)
-        model.__dict__[PREVIOUS_LOSS_ATTR] = model.__dict__.get("_loss_function")
-        default = model.__dict__[PREVIOUS_LOSS_ATTR] or _default_loss_function(model)
-        model._loss_function = functools.partial(_slot_loss_function, slot, default)
-    else:
-        install_interceptor(head, slot)  # FSDP or PEFT may have replaced the head since
+        with _SLOT_LOCK:
+            slot = model.__dict__.get(SLOT_ATTR)
+            if slot is None:
+                slot = JobSlot()
+                model.__dict__[SLOT_ATTR] = slot
+    install_interceptor(head, slot)  # idempotent; writes nothing once installed
+    current = model.__dict__.get("_loss_function")
+    if not (isinstance(current, LossFunctionStandIn) and current.slot is slot):
+        model.__dict__["_loss_function"] = LossFunctionStandIn(slot, current, _default_loss_function(model))
     return slot
 
 
-def _slot_loss_function(slot: JobSlot, default: Any, *args: Any, **kwargs: Any) -> Any:
-    job = slot.job
-    if job is None:
-        return default(*args, **kwargs)
-    return job.loss_function(*args, **kwargs)
+def _user_loss_function(model: torch.nn.Module) -> Any:
+    """The ``loss_function`` the user gave the model (before or after patching), or None for the default."""
+    current = model.__dict__.get("_loss_function")
+    return current.previous if isinstance(current, LossFunctionStandIn) else current
+
+
+# --- When the fused loss cannot stand in for the model's own --------------------------------------------
+
+# Packages whose forward hooks (on the head or the model) only gather, place or record tensors (FSDP,
+# ZeRO-3, accelerate, transformers' output capture, PEFT): they never change the logits the loss sees.
+_TRUSTED_HOOK_PACKAGES = frozenset({"torch", "deepspeed", "accelerate", "transformers", "peft", "trl", "lce_patch"})
+
+
+def _hook_package(hook: Any) -> str:
+    while isinstance(hook, functools.partial):
+        hook = hook.func
+    hook = getattr(hook, "__func__", hook)
+    module = getattr(hook, "__module__", None) or type(hook).__module__ or ""
+    return module.split(".")[0]
+
+
+def _user_hooks(module: torch.nn.Module) -> list[Any]:
+    """The forward (post-)hooks on ``module``, its own and the global ones, that no trusted package put there."""
+    from torch.nn.modules import module as module_module
+
+    hooks = [*module._forward_hooks.values(), *module_module._global_forward_hooks.values()]
+    return [hook for hook in hooks if _hook_package(hook) not in _TRUSTED_HOOK_PACKAGES]
+
+
+def _hook_name(hook: Any) -> str:
+    return getattr(hook, "__qualname__", None) or type(hook).__qualname__
+
+
+def unfused_reason(model: torch.nn.Module, patched_forward: Any, want_logits: bool) -> str | None:
+    """Why this call must run the model's own forward instead of the fused loss (None: it need not).
+
+    ``patched_forward`` is the function the call entered (a class patch's, reached from ``type(model)``).
+    """
+    if OPTIONS_ATTR not in model.__dict__ and type(model).forward is not patched_forward:
+        return (
+            f"{type(model).__name__} overrides forward, and lce_patch patched its parent class "
+            f"{unpatched(patched_forward).__qualname__.split('.')[0]} by model_type: it cannot tell whether that "
+            "forward reads the logits. Patch the instance (apply_fused_lce(model, allow_unregistered=True) checks "
+            "its loss and gradients first) or revert_fused_lce(model_type)"
+        )
+    user_loss = _user_loss_function(model)
+    if user_loss is not None:
+        from transformers.loss.loss_utils import LOSS_MAPPING
+
+        if user_loss is not LOSS_MAPPING["ForCausalLM"]:
+            return (
+                f"{type(model).__name__} has a custom loss_function ({_hook_name(user_loss)}), which the fused "
+                "cross-entropy cannot compute. Remove it (the fused loss is Hugging Face's causal-LM loss), or "
+                "revert_fused_lce(model)"
+            )
+    for leaf in head_leaves(model.get_output_embeddings()):
+        hooks = _user_hooks(leaf)
+        if hooks:
+            return (
+                f"a forward hook ({_hook_name(hooks[0])}) on {type(model).__name__}'s LM head could change the "
+                "logits, which the fused loss never builds. Remove the hook, or revert_fused_lce(model)"
+            )
+    if not want_logits:
+        hooks = _user_hooks(model)
+        if hooks:
+            return (
+                f"a forward hook ({_hook_name(hooks[0])}) on {type(model).__name__} could read its output's "
+                "logits, which the fused loss does not return. Remove the hook, or revert_fused_lce(model)"
+            )
+    return None
+
+
+def _warn_unfused(model: torch.nn.Module, reason: str) -> None:
+    """Warn once per model and reason that its calls run unfused."""
+    slot = ensure_slot(model)
+    if reason in slot.warned:
+        return
+    slot.warned.add(reason)
+    warnings.warn(
+        f"lce_patch: {reason}. Until then, {type(model).__name__}'s calls with labels run its own forward, which "
+        "builds the full [tokens x vocabulary] logits and their gradient (the memory the fused loss saves).",
+        stacklevel=4,
+    )
+
+
+# --- Whether an evaluation call returns the logits --------------------------------------------------------
+
+_EVAL_STATE = threading.local()
+
+
+@contextlib.contextmanager
+def loss_only(enabled: bool = True) -> Iterator[None]:
+    """Within this context (in this thread), patched models in evaluation return the fused loss without the
+    logits, unless their ``return_logits_in_eval`` is True or a call passes ``skip_logits=False``.
+    ``FusedLCECallback`` uses it around the Trainer's evaluation steps that need the loss only."""
+    previous = getattr(_EVAL_STATE, "loss_only", False)
+    _EVAL_STATE.loss_only = enabled
+    try:
+        yield
+    finally:
+        _EVAL_STATE.loss_only = previous
+
+
+def _wants_logits(model: torch.nn.Module, options: LCEOptions, skip_logits: bool | None) -> bool:
+    if skip_logits is not None:
+        return not skip_logits
+    if model.training:
+        return False
+    if options.return_logits_in_eval is not None:
+        return options.return_logits_in_eval
+    return not getattr(_EVAL_STATE, "loss_only", False)
+
+
+# --- The patched forward ----------------------------------------------------------------------------------
 
 
 def make_forward(original: Any, head_config_of: Any) -> Any:
     """A patched ``forward`` for the unbound ``original`` (the class's own forward), keeping its signature.
 
-    ``head_config_of(model)`` gives the head's :class:`HeadConfig`.
+    ``head_config_of(model)`` gives the head's :class:`HeadConfig`. The result carries the original's
+    name and ``__signature__`` but no ``__wrapped__``: wrappers that unwind ``__wrapped__`` chains
+    (accelerate's ``unwrap_model``) stop at it instead of at the unpatched forward.
     """
     signature = inspect.signature(original)
     var_kw = next((p.name for p in signature.parameters.values() if p.kind is inspect.Parameter.VAR_KEYWORD), None)
     if var_kw is None:
         raise TypeError(f"lce_patch: {original.__qualname__} takes no **kwargs; cannot patch it")
 
-    @functools.wraps(original)
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         skip_logits = kwargs.pop("skip_logits", None)
         options: LCEOptions | None = getattr(self, OPTIONS_ATTR, None)
@@ -236,20 +405,20 @@ def make_forward(original: Any, head_config_of: Any) -> Any:
         # One flat name -> value view of the call, whether a name is a parameter or went into **kwargs.
         call = {k: v for k, v in arguments.items() if k not in ("self", var_kw)}
         call.update(arguments.get(var_kw, {}))
-        if skip_logits is None:
-            skip_logits = self.training or not options.return_logits_in_eval
         logits_to_keep = call.get("logits_to_keep", 0)
-        fuse = (
-            (call.get("labels") is not None or call.get("shift_labels") is not None)
-            and isinstance(logits_to_keep, int)
-            and logits_to_keep == 0
-        )
+        # Hugging Face computes a loss only when ``labels`` are given (``shift_labels`` alone: logits, no loss)
+        fuse = call.get("labels") is not None and isinstance(logits_to_keep, int) and logits_to_keep == 0
         if not fuse:
+            return call_original(**kwargs)
+        want_logits = _wants_logits(self, options, skip_logits)
+        reason = unfused_reason(self, forward, want_logits)
+        if reason is not None:
+            _warn_unfused(self, reason)
             return call_original(**kwargs)
         slot = ensure_slot(self)
         if slot.job is not None:
             raise RuntimeError(f"lce_patch: {type(self).__name__}'s forward re-entered itself; not supported")
-        job = LossJob(self, head_config_of(self), options, call, want_logits=not skip_logits)
+        job = LossJob(self, head_config_of(self), options, call, want_logits=want_logits)
         slot.job = job
         try:
             outputs = call_original(**kwargs)
@@ -263,8 +432,44 @@ def make_forward(original: Any, head_config_of: Any) -> Any:
             raise _loss_outside_loss_function(self)
         return outputs if job.want_logits else _without_stand_in(outputs)
 
+    functools.update_wrapper(forward, original, updated=())
+    del forward.__wrapped__
+    forward.__signature__ = signature
     setattr(forward, ORIGINAL_ATTR, original)
     return forward
+
+
+class BoundForward:
+    """``model.forward`` after an instance patch: the patched forward bound to the model.
+
+    It behaves like the bound method it stands for (``__func__``, ``__self__``, the bound signature,
+    which ``generate()``, PEFT and the Trainer inspect) and, unlike a bound method, survives pickling
+    (``torch.save`` of the whole model, multiprocessing) and deep copies: it is rebuilt around the new
+    model from the model's class.
+    """
+
+    def __init__(self, model: torch.nn.Module, function: Any, head_config_of: Any) -> None:
+        self.__self__ = model
+        self.__func__ = function
+        self._head_config_of = head_config_of
+        functools.update_wrapper(
+            self, function, assigned=("__module__", "__name__", "__qualname__", "__doc__"), updated=()
+        )
+
+    @classmethod
+    def of(cls, model: torch.nn.Module, head_config_of: Any) -> BoundForward:
+        return cls(model, make_forward(unpatched(type(model).forward), head_config_of), head_config_of)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.__func__(self.__self__, *args, **kwargs)
+
+    @property
+    def __signature__(self) -> inspect.Signature:
+        parameters = list(self.__func__.__signature__.parameters.values())[1:]
+        return self.__func__.__signature__.replace(parameters=parameters)
+
+    def __reduce__(self) -> tuple:
+        return (BoundForward.of, (self.__self__, self._head_config_of))
 
 
 def _loss_outside_loss_function(model: torch.nn.Module) -> RuntimeError:

@@ -8,7 +8,7 @@ of reading ``lm_head.weight`` behind the wrappers' back.
 
 from __future__ import annotations
 
-import types
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -139,18 +139,32 @@ _INTERCEPTED_ATTR = "_lce_patch_intercepted"
 
 
 class JobSlot:
-    """Holds the armed job of one patched model (None when idle). Shared, not copied, by ``deepcopy``.
+    """The armed job of one patched model, per thread (None when idle). Shared, not copied, by ``deepcopy``.
 
-    Deep copies of a patched model (a TRL reference model, PEFT's ``modules_to_save`` copies of the head)
-    keep one slot with the original: a slot is only armed for the length of one forward, so sharing it
-    is safe, and it keeps every copy of the head reachable from the forward that arms it.
+    A job lives for the length of one forward, in the thread that runs it: a model called from several
+    threads at once (serving, threaded evaluation, ``nn.DataParallel``'s replicas, which share their
+    modules' attributes) arms one job per thread. Deep copies of a patched model (a TRL reference model,
+    PEFT's ``modules_to_save`` copies of the head) keep one slot with the original, which keeps every
+    copy of the head reachable from the forward that arms it. A pickled slot comes back empty.
     """
 
     def __init__(self) -> None:
-        self.job: Any = None
+        self._local = threading.local()
+        self.warned: set[str] = set()  # one-time warnings already given for this model
+
+    @property
+    def job(self) -> Any:
+        return getattr(self._local, "job", None)
+
+    @job.setter
+    def job(self, job: Any) -> None:
+        self._local.job = job
 
     def __deepcopy__(self, memo: dict) -> JobSlot:
         return self
+
+    def __reduce__(self) -> tuple:
+        return (JobSlot, ())
 
 
 def head_leaves(head: torch.nn.Module) -> list[torch.nn.Module]:
@@ -162,21 +176,32 @@ def head_leaves(head: torch.nn.Module) -> list[torch.nn.Module]:
     return [head]
 
 
-def _intercepting_forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
-    slot: JobSlot = self.__dict__[SLOT_ATTR]
-    job = slot.job
-    if job is None:
-        attr, previous = self.__dict__[_INTERCEPTED_ATTR]
-        if previous is not None:
-            return previous(*args, **kwargs)
-        return type(self).forward(self, *args, **kwargs)
-    if kwargs or len(args) != 1:
-        raise RuntimeError(
-            f"lce_patch: the LM head was called with {len(args)} positional and {sorted(kwargs)} keyword arguments; "
-            "the fused loss expects it to be called on the hidden states alone"
-        )
-    weight, bias = _head_params(self)
-    return job.run_head(weight, bias, args[0])
+class InterceptingForward:
+    """A head module's ``forward`` while patched: the fused loss when its model's job is armed (in this
+    thread), else the module's own computation. A callable object rather than a bound method, so that a
+    pickled (``torch.save``, multiprocessing) or deep-copied head rebuilds it around the new module."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.module = module
+
+    def __reduce__(self) -> tuple:
+        return (InterceptingForward, (self.module,))
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        module = self.module
+        job = module.__dict__[SLOT_ATTR].job
+        if job is None:
+            _, previous = module.__dict__[_INTERCEPTED_ATTR]
+            if previous is not None:
+                return previous(*args, **kwargs)
+            return type(module).forward(module, *args, **kwargs)
+        if kwargs or len(args) != 1:
+            raise RuntimeError(
+                f"lce_patch: the LM head was called with {len(args)} positional and {sorted(kwargs)} keyword "
+                "arguments; the fused loss expects it to be called on the hidden states alone"
+            )
+        weight, bias = _head_params(module)
+        return job.run_head(weight, bias, args[0])
 
 
 def install_interceptor(head: torch.nn.Module, slot: JobSlot) -> None:
@@ -189,7 +214,7 @@ def install_interceptor(head: torch.nn.Module, slot: JobSlot) -> None:
         attr = _forward_attr(leaf)
         leaf.__dict__[_INTERCEPTED_ATTR] = (attr, leaf.__dict__.get(attr))
         leaf.__dict__[SLOT_ATTR] = slot
-        leaf.__dict__[attr] = types.MethodType(_intercepting_forward, leaf)
+        leaf.__dict__[attr] = InterceptingForward(leaf)
 
 
 def remove_interceptor(head: torch.nn.Module) -> None:

@@ -12,9 +12,10 @@ import torch
 from .forward import (
     OPTIONS_ATTR,
     PREVIOUS_FORWARD_ATTR,
-    PREVIOUS_LOSS_ATTR,
     SPEC_ATTR,
+    BoundForward,
     LCEOptions,
+    LossFunctionStandIn,
     ensure_slot,
     make_forward,
     unpatched,
@@ -149,7 +150,7 @@ def apply_fused_lce(model_or_model_type: Any, **options: Any) -> Any:
         spec = derived_spec(unpatched(type(model).forward), model_type, registered=registered)
         previous = vars(model).get("forward", _MISSING)
         original = unpatched(type(model).forward)
-        model.forward = types.MethodType(make_forward(original, _head_config_of), model)
+        model.forward = BoundForward(model, make_forward(original, _head_config_of), _head_config_of)
         if previous is not _MISSING:
             setattr(model, PREVIOUS_FORWARD_ATTR, previous)
         setattr(model, SPEC_ATTR, spec)
@@ -191,11 +192,12 @@ def revert_fused_lce(model_or_model_type: Any) -> Any:
         state.pop(SPEC_ATTR, None)
     if SLOT_ATTR in state:  # also after a class patch, whose first fused call installed the slot
         remove_interceptor(model.get_output_embeddings())
-        previous_loss = state.pop(PREVIOUS_LOSS_ATTR, None)
-        if previous_loss is None:
-            state.pop("_loss_function", None)
-        else:
-            state["_loss_function"] = previous_loss
+        stand_in = state.get("_loss_function")
+        if isinstance(stand_in, LossFunctionStandIn):  # else the user replaced it since: theirs stays
+            if stand_in.previous is None:
+                del state["_loss_function"]
+            else:
+                state["_loss_function"] = stand_in.previous
         del state[SLOT_ATTR]
     return model_or_model_type
 

@@ -72,14 +72,21 @@ def test_inference_generate_and_eval(model_type):
         # no labels: the original forward, logits identical; logits_to_keep honoured
         assert torch.equal(model(**inputs).logits, reference(**inputs).logits)
         assert torch.equal(model(**inputs, logits_to_keep=1).logits, reference(**inputs, logits_to_keep=1).logits)
-        # evaluation with labels: the fused loss, no logits unless asked for
+        # evaluation with labels: the fused loss and the logits, as the unpatched model returns them
         out, ref = model(**batch), reference(**batch)
-        assert out.logits is None
-        assert_close(out.loss, ref.loss, what="eval loss")
-        lce_patch.apply_fused_lce(model, return_logits_in_eval=True)
-        out = model(**batch)
         assert_close(out.loss, ref.loss, what="eval loss")
         assert_close(out.logits, ref.logits, rel=1e-6, what="eval logits")
+        # the loss only where the caller says so: loss_only() (the Trainer's loss-only steps), an option
+        with lce_patch.models.loss_only():
+            out = model(**batch)
+            assert out.logits is None
+            assert_close(out.loss, ref.loss, what="loss-only eval loss")
+            lce_patch.apply_fused_lce(model, return_logits_in_eval=True)  # True: always
+            assert_close(model(**batch).logits, ref.logits, rel=1e-6, what="eval logits")
+        lce_patch.apply_fused_lce(model, return_logits_in_eval=False)  # False: never
+        out = model(**batch)
+        assert out.logits is None
+        assert_close(out.loss, ref.loss, what="eval loss")
         prompt = batch["input_ids"][:, :5]
         kwargs = dict(max_new_tokens=4, do_sample=False, pad_token_id=0)
         if getattr(model.config, "output_router_logits", False):
@@ -165,18 +172,31 @@ def test_return_dict_false_and_positional_args():
     assert out.loss is not None and out.logits is None
 
 
-def test_empty_micro_batch_gives_a_differentiable_zero():
-    model = tiny_model("llama")
-    lce_patch.apply_fused_lce(model)
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_empty_micro_batch_gives_hugging_face_loss_and_zero_gradients(backend):
+    """Every label ignored: the loss Hugging Face gives (NaN for its mean over no token, 0 for a sum
+    divided by num_items_in_batch), in training and evaluation; the gradients are zeros, never NaN."""
+    model, reference = pair("llama")
+    lce_patch.apply_fused_lce(model, backend=backend)
     batch = _batch("ignored_labels", torch.Generator().manual_seed(7))
     batch["labels"] = torch.full_like(batch["labels"], -100)
-    model.train()
-    for extra in ({}, {"num_items_in_batch": 5}):
-        model.zero_grad()
-        loss = model(**batch, **extra).loss
-        assert loss.item() == 0.0 and loss.requires_grad
-        loss.backward()
-        assert all(not p.grad.any() for p in model.parameters() if p.grad is not None)
+    for training in (True, False):
+        model.train(training)
+        reference.train(training)
+        for extra in ({}, {"num_items_in_batch": 5}, {"num_items_in_batch": torch.tensor(5)}):
+            model.zero_grad()
+            loss = model(**batch, **extra).loss
+            expected = reference(**batch, **extra).loss
+            if extra:  # sum / num_items_in_batch
+                assert loss.item() == expected.item() == 0.0
+            else:  # mean over no token
+                assert loss.isnan() and expected.isnan()
+            assert loss.requires_grad
+            loss.backward()
+            assert all(not p.grad.any() for p in model.parameters() if p.grad is not None)
+    # a batch with one valid label is a number again
+    batch["labels"][0, 3] = 7
+    assert_close(model(**batch).loss, reference(**batch).loss)
 
 
 def test_ignore_index_option_and_kwarg():
