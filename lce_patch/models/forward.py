@@ -190,11 +190,15 @@ class LossJob:
     ) -> torch.Tensor:
         """The op's loss as Hugging Face's loss returns it: float32 (its loss upcasts the logits with
         ``.float()``, also a float64 model's), and NaN for a batch whose labels are all ignored, its mean
-        over no token (the op's: 0). Gradients stay the op's zeros, so no NaN reaches the weights through
-        this term. With ``num_items_in_batch`` both compute ``sum / num_items_in_batch``."""
+        over no token, or ``0 / num_items_in_batch`` for a count of 0 (the Trainer's evaluation passes
+        the batch's own count); the op gives 0 for both. Gradients stay the op's zeros, so no NaN reaches
+        the weights through this term."""
         loss = loss.float()
-        if self.num_items_in_batch is not None:
-            return loss
+        num_items = self.num_items_in_batch
+        if isinstance(num_items, torch.Tensor):
+            return _nan_where(loss, num_items.reshape(()) == 0)
+        if num_items is not None:
+            return loss if num_items != 0 else _nan_where(loss, torch.ones((), dtype=torch.bool))
         if num_valid_tokens is not None:  # counted on the host already: no device work
             return loss if num_valid_tokens > 0 else _nan_where(loss, torch.ones((), dtype=torch.bool))
         valid = (targets[..., 1:] if shift else targets) != self.ignore_index

@@ -236,3 +236,94 @@ def test_composes_with_liger_non_loss_kernels(liger_first):
     assert type(model).forward is original_forward  # Liger did not replace the class's forward
     lce_patch.revert_fused_lce(model)
     assert not is_patched(model) and liger_norm()
+
+
+# --- Evaluation and prediction give what the unpatched model gives ------------------------------------
+
+
+def _eval_dataset_with_empty_batches() -> list[dict]:
+    """Eval rows in pairs (batch size 2); the second pair has every label ignored (Hugging Face: NaN loss)."""
+    rows = _dataset(8, 3)
+    for row in rows[2:4]:
+        row["labels"] = torch.full_like(row["labels"], -100)
+    return rows
+
+
+def _evaluate_both(tmp_path, callback_options=None, **trainer_kwargs):
+    results = {}
+    for name, callbacks in [("ref", []), ("fused", [FusedLCECallback(**(callback_options or {}))])]:
+        trainer = Trainer(
+            model=tiny_model("qwen2"),
+            args=_args(tmp_path / name),
+            eval_dataset=_eval_dataset_with_empty_batches(),
+            callbacks=callbacks,
+            **trainer_kwargs,
+        )
+        results[name] = trainer
+    return results["ref"], results["fused"]
+
+
+def test_eval_loss_with_all_ignored_batches_equals_unpatched(tmp_path, op_calls):
+    ref, fused = _evaluate_both(tmp_path)
+    ref_metrics, fused_metrics = ref.evaluate(), fused.evaluate()
+    assert len(op_calls) == 4  # every eval batch ran the fused op, the empty one included
+    assert np.isfinite(ref_metrics["eval_loss"])  # the Trainer drops the NaN batch from its mean
+    assert fused_metrics["eval_loss"] == pytest.approx(ref_metrics["eval_loss"], rel=1e-6)
+
+
+def test_predict_returns_the_logits_of_the_unpatched_model(tmp_path, op_calls):
+    ref, fused = _evaluate_both(tmp_path)
+    dataset = _eval_dataset_with_empty_batches()
+    expected, got = ref.predict(dataset), fused.predict(dataset)
+    assert len(op_calls) == 4  # the loss still fused
+    assert got.predictions.shape == expected.predictions.shape == (8, SEQ, VOCAB)
+    np.testing.assert_allclose(got.predictions, expected.predictions, rtol=1e-6, atol=1e-6)
+    np.testing.assert_array_equal(got.label_ids, expected.label_ids)
+    assert got.metrics["test_loss"] == pytest.approx(expected.metrics["test_loss"], rel=1e-6)
+    # evaluation that needs the loss only still builds no logits
+    op_calls.clear()
+    assert fused.evaluate()["eval_loss"] == pytest.approx(ref.evaluate()["eval_loss"], rel=1e-6)
+
+
+def _argmax_logits(logits, labels):
+    return logits.argmax(-1)
+
+
+def _accuracy_of_ids(prediction):
+    predicted, labels = prediction.predictions[:, :-1], prediction.label_ids[:, 1:]
+    mask = labels != -100
+    return {"accuracy": float((predicted == labels)[mask].mean())}
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(compute_metrics=_token_accuracy),
+        dict(compute_metrics=_accuracy_of_ids, preprocess_logits_for_metrics=_argmax_logits),
+    ],
+    ids=["compute_metrics", "preprocess_logits_for_metrics"],
+)
+def test_compute_metrics_gets_the_logits_with_the_default_callback(tmp_path, op_calls, kwargs):
+    ref, fused = _evaluate_both(tmp_path, **kwargs)
+    ref_metrics, fused_metrics = ref.evaluate(), fused.evaluate()
+    assert len(op_calls) == 4
+    assert ref_metrics.keys() == fused_metrics.keys()
+    for key in ref_metrics:
+        if not key.endswith(("runtime", "per_second")):
+            assert fused_metrics[key] == pytest.approx(ref_metrics[key], rel=1e-6), key
+
+
+def test_return_logits_in_eval_false_is_refused_where_logits_are_needed(tmp_path):
+    with pytest.raises(ValueError, match="compute_metrics.*return_logits_in_eval=False"):
+        Trainer(
+            model=tiny_model("qwen2"),
+            args=_args(tmp_path),
+            compute_metrics=_token_accuracy,
+            callbacks=[FusedLCECallback(return_logits_in_eval=False)],
+        )
+    trainer = Trainer(
+        model=tiny_model("qwen2"), args=_args(tmp_path), callbacks=[FusedLCECallback(return_logits_in_eval=False)]
+    )
+    assert np.isfinite(trainer.evaluate(_eval_dataset_with_empty_batches())["eval_loss"])  # the loss only: fine
+    with pytest.raises(ValueError, match="predict.*return_logits_in_eval=False"):
+        trainer.predict(_eval_dataset_with_empty_batches())

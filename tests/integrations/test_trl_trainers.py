@@ -9,6 +9,7 @@ chunked kernel never runs, and every logged metric must equal TRL's within float
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -178,3 +179,26 @@ def test_reference_model_head_is_served(model_paths, tmp_path):
         trainer.train()
     assert _is_ours(_target(_head_path(trainer.ref_model)[-1]))
     assert _is_ours(_target(_head_path(trainer.model)[-1]))
+
+
+@pytest.mark.parametrize("name, column", [("dpo", "ref_chosen_logps"), ("kto", "ref_logps")])
+def test_precomputed_reference_log_probs_are_served(model_paths, tmp_path, name, column):
+    """``precompute_ref_log_probs=True``: TRL scores the reference model inside ``__init__``, before any
+    training callback runs; that pass goes through lce_patch's op as well, with TRL's values, and the
+    training that follows logs what TRL's does."""
+    path = model_paths["llama"]
+    with spies() as ours_init:
+        ours = make_trainer(
+            name, path, [lce_callback()], output_dir=str(tmp_path / "ours"), precompute_ref_log_probs=True
+        )
+    assert ours_init.ours.call_count > 0 and ours_init.theirs.call_count == 0
+    with spies() as theirs_init:
+        theirs = make_trainer(name, path, output_dir=str(tmp_path / "trl"), precompute_ref_log_probs=True)
+    assert theirs_init.theirs.call_count > 0  # computed again, not read from a cache of the first run
+    np.testing.assert_allclose(ours.train_dataset[column], theirs.train_dataset[column], rtol=1e-5, atol=1e-5)
+    with spies() as calls:
+        ours.train()
+    assert calls.theirs.call_count == 0
+    theirs.train()
+    logs = [[entry for entry in t.state.log_history if "loss" in entry] for t in (theirs, ours)]
+    assert_same_logs(*logs)
