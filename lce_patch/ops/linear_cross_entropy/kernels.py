@@ -18,9 +18,22 @@ and its gradient with respect to ``raw`` is::
 
 ``_stats_kernel`` (one program per row) makes two passes over the row's V logits. The first is an
 online log-sum-exp in fp32, kept per lane and merged once at the end: a running max ``m`` and a
-sum ``s`` of ``exp(z - m)``, rescaled when the max grows, plus the target logit, the sum of the logits (label smoothing, mean logit), the
-sum of ``p * z`` (entropy), the sum of ``exp(2 (z - m))`` (``log sum p**2``, for WPO weights) and the max over positions before the target (argmax check with the
-first-index tie rule of ``torch.argmax``). The target logit is read once per row, by a load masked
+sum ``s`` of ``exp(z - m)``, rescaled when the max grows, plus the target logit, the sum of the logits
+(label smoothing, mean logit), the entropy's sums (below), the sum of ``exp(2 (z - m))`` (``log sum
+p**2``, for WPO weights) and the max over positions before the target (argmax check with the
+first-index tie rule of ``torch.argmax``).
+
+The entropy is a sum of non-negative terms::
+
+    H = log1p(r) + sum_j e_j (m - z_j) / (1 + r),    e_j = exp(z_j - m),  r = s - 1
+
+with ``r`` summed from the logits below the max (its ties counted exactly), never as ``s - 1``. The
+textbook ``lse - sum p z`` cancels two numbers of size |z| to leave a tiny entropy on a confident
+token: in fp32 it came out negative (-7.6e-6) or 8x off at temperature 0.1. Per lane the kernel keeps
+the gap sum, the rest and the tie count against the lane's max, and moves them to the row's max at the
+end; the relative error is then the one the fp32 logits carry (tests/ops/test_ranges.py). It costs a
+compare and two selects per logit, with entropy only, and the softcapped fixed-max shortcut (below) is
+not used then. The target logit is read once per row, by a load masked
 off for an ignored or out-of-range label, so the loops compare no column with the label. Full
 blocks of the row run without masks; only the last, partial block is masked.
 The buffer rounds each logit to the compute dtype (bf16: a relative error of 2^-9, ~0.06 on a
@@ -124,6 +137,8 @@ def _stats_block(
     lane_z,
     lane_before_target,
     lane_sum_sq,
+    lane_rest,
+    lane_ties,
     HAS_SOFTCAP: tl.constexpr,
     HAS_SUM_Z: tl.constexpr,
     FIXED_MAX: tl.constexpr,
@@ -154,8 +169,6 @@ def _stats_block(
                 tl.store(row_ptr + cols, unnormalized, mask=cols < vocab_size)
             else:
                 tl.store(row_ptr + cols, unnormalized)
-        if WANT_ENTROPY:
-            lane_sum_z += tl.sum(e * z_or_0, 1)
         if WANT_TOP1:
             lane_max = _max_keep_nan(lane_max, tl.reduce(z, 1, _max_keep_nan))
     else:
@@ -168,7 +181,19 @@ def _stats_block(
         e = tl.where(empty_lane[:, None], 0.0, tl.exp(z - new_max[:, None]))
         lane_sum = lane_sum * rescale + tl.sum(e, 1)
         if WANT_ENTROPY:
-            lane_sum_z = lane_sum_z * rescale + tl.sum(e * z_or_0, 1)
+            # Non-negative sums only (see the design note): the gaps below the lane's max, weighted by
+            # e, and the exponentials of the logits below it ("rest"); the max's ties are counted.
+            # When the max grows, every logit seen so far falls below it.
+            grew = new_max > lane_max
+            seen = lane_rest + lane_ties
+            shift = tl.where(lane_max == float("-inf"), 0.0, new_max - lane_max)
+            below = z < new_max[:, None]
+            gap = new_max[:, None] - z
+            if MASKED:  # padding (z = -inf, e = 0) adds nothing: no 0 * inf
+                gap = tl.where(in_row, gap, 0.0)
+            lane_sum_z = rescale * (lane_sum_z + shift * seen) + tl.sum(tl.where(below, e * gap, 0.0), 1)
+            lane_rest = tl.where(grew, rescale * seen, lane_rest) + tl.sum(tl.where(below, e, 0.0), 1)
+            lane_ties = tl.where(grew, 0.0, lane_ties) + tl.sum(tl.where(z == new_max[:, None], 1.0, 0.0), 1)
         if WANT_LOG_SUM_SQ:  # sum of exp(2 (z - max)): the largest term is 1, so it cannot underflow
             lane_sum_sq = lane_sum_sq * (rescale * rescale) + tl.sum(e * e, 1)
         lane_max = new_max
@@ -178,7 +203,14 @@ def _stats_block(
         lane_before_target = _max_keep_nan(
             lane_before_target, tl.reduce(tl.where(cols < label, z, float("-inf")), 1, _max_keep_nan)
         )
-    return lane_max, lane_sum, lane_sum_z, lane_z, lane_before_target, lane_sum_sq
+    return lane_max, lane_sum, lane_sum_z, lane_z, lane_before_target, lane_sum_sq, lane_rest, lane_ties
+
+
+@triton.jit
+def _log1p(x):
+    """log(1 + x) to a few ulps for small x (Goldberg's correction; Triton has no portable log1p)."""
+    u = 1.0 + x
+    return tl.where(u == 1.0, x, tl.log(u) * (x / (u - 1.0)))
 
 
 @triton.jit
@@ -285,18 +317,22 @@ def _stats_kernel(
     lane_z = tl.zeros([lanes], tl.float32)
     lane_before_target = tl.full([lanes], float("-inf"), tl.float32)
     lane_sum_sq = tl.zeros([lanes], tl.float32)
+    lane_rest = tl.zeros([lanes], tl.float32)
+    lane_ties = tl.zeros([lanes], tl.float32)
     full_end = vocab_size // BLOCK_V * BLOCK_V
     for start in range(0, full_end, BLOCK_V):
-        lane_max, lane_sum, lane_sum_z, lane_z, lane_before_target, lane_sum_sq = _stats_block(
+        lane_max, lane_sum, lane_sum_z, lane_z, lane_before_target, lane_sum_sq, lane_rest, lane_ties = _stats_block(
             row_ptr, start + lane_cols, label, vocab_size, logit_scale, softcap, inv_temperature,
-            fixed_max, lane_max, lane_sum, lane_sum_z, lane_z, lane_before_target, lane_sum_sq, HAS_SOFTCAP,
+            fixed_max, lane_max, lane_sum, lane_sum_z, lane_z, lane_before_target, lane_sum_sq, lane_rest,
+            lane_ties, HAS_SOFTCAP,
             HAS_SMOOTHING or WANT_MEAN_LOGIT, FIXED_MAX, WANT_ENTROPY, WANT_TOP1, WANT_LOG_SUM_SQ,
             UNNORMALIZED_GRAD, False,
         )  # fmt: skip
     if full_end < vocab_size:
-        lane_max, lane_sum, lane_sum_z, lane_z, lane_before_target, lane_sum_sq = _stats_block(
+        lane_max, lane_sum, lane_sum_z, lane_z, lane_before_target, lane_sum_sq, lane_rest, lane_ties = _stats_block(
             row_ptr, full_end + lane_cols, label, vocab_size, logit_scale, softcap, inv_temperature,
-            fixed_max, lane_max, lane_sum, lane_sum_z, lane_z, lane_before_target, lane_sum_sq, HAS_SOFTCAP,
+            fixed_max, lane_max, lane_sum, lane_sum_z, lane_z, lane_before_target, lane_sum_sq, lane_rest,
+            lane_ties, HAS_SOFTCAP,
             HAS_SMOOTHING or WANT_MEAN_LOGIT, FIXED_MAX, WANT_ENTROPY, WANT_TOP1, WANT_LOG_SUM_SQ,
             UNNORMALIZED_GRAD, True,
         )  # fmt: skip
@@ -305,12 +341,20 @@ def _stats_kernel(
     if FIXED_MAX:
         ref_max = fixed_max  # the sums are of exp(z - ref_max)
         sum_exp = tl.sum(lane_sum, 0)
-        sum_exp_z = tl.sum(lane_sum_z, 0)
     else:
         ref_max = running_max
-        lane_weight = tl.where(lane_max == float("-inf"), 0.0, tl.exp(lane_max - running_max))
+        empty_lane = lane_max == float("-inf")
+        lane_weight = tl.where(empty_lane, 0.0, tl.exp(lane_max - running_max))
         sum_exp = tl.sum(lane_sum * lane_weight, 0)
-        sum_exp_z = tl.sum(lane_sum_z * lane_weight, 0)
+        if WANT_ENTROPY:  # the lanes' sums moved to the row's max; still non-negative terms only
+            lane_seen = lane_rest + lane_ties
+            at_max = lane_max == running_max
+            gap_sum = tl.sum(
+                tl.where(empty_lane, 0.0, lane_weight * (lane_sum_z + (running_max - lane_max) * lane_seen)), 0
+            )
+            rest_below = tl.sum(tl.where(at_max, lane_rest, lane_weight * lane_seen), 0)
+            rest = rest_below + (tl.sum(tl.where(at_max, lane_ties, 0.0), 0) - 1.0)
+            entropy = _log1p(rest) + gap_sum / (1.0 + rest) + 0.0 * running_max  # NaN logits: NaN
         if WANT_LOG_SUM_SQ:  # (the launcher never combines it with FIXED_MAX)
             sum_exp_sq = tl.sum(lane_sum_sq * (lane_weight * lane_weight), 0)
     sum_z = tl.sum(lane_z, 0)
@@ -332,17 +376,20 @@ def _stats_kernel(
         loss = loss_lse - (1.0 - label_smoothing) * loss_target_z - label_smoothing * (sum_z / vocab_size)
     if HAS_Z_LOSS:
         loss += z_loss * loss_lse * loss_lse
-    tl.store(loss_ptr + row, tl.where(valid, loss, 0.0))
+    # Every form of the loss is >= 0 (lse is at least any average of the logits); the exact-target swap can
+    # round it to -1e-7, i.e. a log-probability above 0. NaN stays NaN.
+    tl.store(loss_ptr + row, tl.where(valid, tl.where(loss < 0.0, 0.0, loss), 0.0))
     tl.store(lse_ptr + row, lse)
     if WANT_ENTROPY:
-        tl.store(entropy_ptr + row, tl.where(valid, lse - sum_exp_z / sum_exp, 0.0))
+        tl.store(entropy_ptr + row, tl.where(valid, entropy, 0.0))
     if WANT_TOP1:
         top1 = (target_z >= running_max) & (target_z > max_before_target) & label_in_row
         tl.store(is_top1_ptr + row, top1.to(tl.int8))
     if WANT_MEAN_LOGIT:
         tl.store(mean_logit_ptr + row, tl.where(valid, sum_z / vocab_size, 0.0))
-    if WANT_LOG_SUM_SQ:  # log(sum p**2) = log(sum exp(2 (z - max))) - 2 log(sum exp(z - max))
-        tl.store(log_sum_sq_ptr + row, tl.where(valid, tl.log(sum_exp_sq) - 2.0 * tl.log(sum_exp), 0.0))
+    if WANT_LOG_SUM_SQ:  # log(sum p**2) = log(sum exp(2 (z - max))) - 2 log(sum exp(z - max)), <= 0
+        log_sum_sq = tl.minimum(tl.log(sum_exp_sq) - 2.0 * tl.log(sum_exp), 0.0)
+        tl.store(log_sum_sq_ptr + row, tl.where(valid, log_sum_sq, 0.0))
 
     if WRITE_GRAD:
         valid_scale = tl.where(valid, tl.load(grad_scale_ptr), 0.0)

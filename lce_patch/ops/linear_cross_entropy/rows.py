@@ -116,6 +116,21 @@ def _label_in_row(labels: torch.Tensor, valid: torch.Tensor, width: int) -> torc
     return valid & (labels >= 0) & (labels < width)
 
 
+def _entropy(z: torch.Tensor) -> torch.Tensor:
+    """Entropy of softmax(z) per row [C], as a sum of non-negative terms (see kernels.py's design note):
+    ``log1p(rest) + sum_j e_j (m - z_j) / (1 + rest)``, with ``m`` the row's max, ``e_j = exp(z_j - m)`` and
+    ``rest = sum_j e_j - 1`` summed without the max's own 1 (ties counted exactly), so a confident row keeps
+    fp32's relative precision instead of cancelling ``lse - sum p z``."""
+    row_max = z.max(dim=1, keepdim=True).values
+    below = z < row_max
+    e = torch.exp(z - row_max)
+    ties = (~below).sum(dim=1).to(z.dtype)  # the max and its ties (NaN rows: propagate through row_max)
+    rest = torch.where(below, e, 0.0).sum(dim=1) + (ties - 1.0)
+    gap = torch.where(below & (e > 0), e * (row_max - z), 0.0).sum(dim=1)
+    # ``0 * row_max``: a row with a NaN (or infinite) logit gives NaN, as its log-sum-exp does
+    return torch.log1p(rest) + gap / (1.0 + rest) + 0.0 * row_max.squeeze(1)
+
+
 def _torch_chunk_stats(
     raw, labels, transform, out: RowOutputs, grad_scale: torch.Tensor | None, target_raw: torch.Tensor | None
 ) -> None:
@@ -143,17 +158,18 @@ def _torch_chunk_stats(
         loss = loss_lse - (1.0 - eps) * loss_target_z - eps * mean_z
     if transform.z_loss:
         loss = loss + transform.z_loss * loss_lse * loss_lse
-    out.loss.copy_(torch.where(valid, loss, 0.0))
+    # >= 0 in exact arithmetic: clamp the rounding of the exact-target swap (a log-probability above 0); NaN stays
+    out.loss.copy_(torch.where(valid, torch.where(loss < 0, 0.0, loss), 0.0))
     out.lse.copy_(lse)
     if out.entropy is not None:
-        p = torch.softmax(z, dim=1)
-        out.entropy.copy_(torch.where(valid, lse - (p * z).sum(dim=1), 0.0))
+        out.entropy.copy_(torch.where(valid, _entropy(z), 0.0))
     if out.is_top1 is not None:
         out.is_top1.copy_((z.argmax(dim=1) == labels) & valid)
     if out.mean_logit is not None:
         out.mean_logit.copy_(torch.where(valid, mean_z, 0.0))
-    if out.log_sum_sq is not None:  # log(sum p**2) = logsumexp(2z) - 2 lse, both of the buffer's logits
-        out.log_sum_sq.copy_(torch.where(valid, torch.logsumexp(2.0 * z, dim=1) - 2.0 * lse, 0.0))
+    if out.log_sum_sq is not None:  # log(sum p**2) = logsumexp(2z) - 2 lse, both of the buffer's logits; <= 0
+        log_sum_sq = (torch.logsumexp(2.0 * z, dim=1) - 2.0 * lse).clamp(max=0.0)
+        out.log_sum_sq.copy_(torch.where(valid, log_sum_sq, 0.0))
     if grad_scale is not None:
         grad = torch.exp(z - lse.unsqueeze(1))
         if transform.z_loss:
@@ -241,8 +257,9 @@ def _triton_chunk_stats(
     want_log_sum_sq = out.log_sum_sq is not None
     fixed_max = _fixed_max(transform)
     # The sum of squared exponentials against the bound could underflow (e^(2 (z - bound)) for logits far below
-    # it): with log_sum_sq the kernel keeps its running max, which the one-pass gradient cannot do without.
-    use_fixed_max = fixed_max is not None and not want_log_sum_sq
+    # it), and the entropy's sums are taken below the row's max: with either the kernel keeps its running max,
+    # which the one-pass gradient cannot do without.
+    use_fixed_max = fixed_max is not None and not want_log_sum_sq and out.entropy is None
     unnormalized = row_factor is not None
     if unnormalized and not (grad_scale is not None and unnormalized_grad_applies(transform, raw.dtype, True)):
         raise ValueError("chunk_stats: row_factor needs grad_scale and a case unnormalized_grad_applies to")
