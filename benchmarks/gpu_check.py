@@ -7,11 +7,11 @@ NaN, so an output element the op never writes shows up as NaN (which never passe
 
 Pass rules (relative errors; loss: |l - ref| / |ref|, or relative L2 for reduction="none"):
   * bf16 / fp16 with the unfused path measured on the same inputs (fp32 softmax on bf16 logits):
-    each gradient <= 1.25x the unfused path's error (the speed issue's accuracy target), and the loss
+    each gradient <= 1.25x the unfused path's error (the project's accuracy target), and the loss
     <= max(1e-4, 1.25x unfused). Why 1e-4: a bf16 logit carries a relative rounding of up to 2^-9; on
     peaked data the target logit is ~13, so one token's loss moves by ~1e-2 and the mean over ~7000 tokens
     by ~1e-4 absolute, ~1e-4 relative at a loss of 1.5 (the unfused bf16 path itself lands at 1e-4 to 2e-4
-    there, and ~1e-6 on flat data). The issue's 1e-5 goal is printed beside it as information.
+    there, and ~1e-6 on flat data). The 1e-5 loss target is printed beside it as information.
   * where the unfused path does not fit in memory (large-index cases): loss <= 1e-4, gradients <= 1e-2.
   * fp32: loss <= 1e-5 and gradients <= 5e-5 against an fp64 reference (TF32 anywhere would show as ~1e-4+).
 Also: determinism (two runs bitwise equal), all-ignored batch (finite 0, zero grads), a bad label

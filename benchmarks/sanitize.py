@@ -1,4 +1,4 @@
-"""Memory-safety run of the Triton path for compute-sanitizer (issue: nothing silently wrong).
+"""Memory-safety run of the Triton path for compute-sanitizer (goal: nothing silently wrong).
 
 Runs the fused op forward and backward on the GPU at odd sizes (V not a multiple of any block,
 N not a multiple of the chunk, D odd), every option, every output, and the three dtypes, so that

@@ -5,7 +5,7 @@ from typing import Any
 from .models import apply_fused_lce, revert_fused_lce, supported_architectures
 from .ops import FusedLinearCrossEntropy, TokenOutputs, VocabShard, fused_linear_cross_entropy, fused_linear_log_probs
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     "FusedLCECallback",

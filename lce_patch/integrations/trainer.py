@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import warnings
 from typing import Any
 
 import torch
@@ -113,8 +114,18 @@ class FusedLCECallback(TrainerCallback):
         return maybe_install_trl_head(model, dict(self.options), precompute_grad=plain_nll)
 
     def check_trainer(self, trainer: Trainer | None) -> None:
-        """Refuse a trainer that needs evaluation logits when ``return_logits_in_eval=False`` was asked for."""
-        if trainer is None or self.options.get("return_logits_in_eval") is not False:
+        """Warn where the trainer bypasses the fused loss; refuse one that needs evaluation logits when
+        ``return_logits_in_eval=False`` was asked for."""
+        if trainer is None:
+            return
+        if getattr(trainer, "compute_loss_func", None) is not None:
+            warnings.warn(
+                "lce_patch: the Trainer was given a compute_loss_func, so it calls the model without labels and "
+                "computes the loss from the logits itself: training runs unfused, with the full [tokens x "
+                "vocabulary] logits. Drop compute_loss_func to train with the fused loss.",
+                stacklevel=2,
+            )
+        if self.options.get("return_logits_in_eval") is not False:
             return
         needs = [name for name in ("compute_metrics", "preprocess_logits_for_metrics") if getattr(trainer, name, None)]
         if needs:

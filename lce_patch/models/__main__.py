@@ -1,4 +1,4 @@
-"""``python -m lce_patch.models``: print the supported-architectures list the README embeds."""
+"""``python -m lce_patch.models``: print the architecture list that docs/models.md embeds."""
 
 from .registry import architectures_markdown
 

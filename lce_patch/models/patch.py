@@ -141,7 +141,14 @@ def apply_fused_lce(model_or_model_type: Any, **options: Any) -> Any:
         head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
         if not isinstance(head, torch.nn.Module):
             raise _unsupported(f"{type(model).__name__}: it has no output embedding (get_output_embeddings());")
-        resolve_head_module(head)  # refuses a LoRA layer on the head now, not mid-training
+        weight = getattr(resolve_head_module(head), "weight", None)  # refuses a LoRA layer on the head now
+        if isinstance(weight, torch.Tensor) and not weight.is_floating_point():
+            raise ValueError(
+                f"lce_patch: {type(model).__name__}'s LM head is quantized ({type(head).__module__}."
+                f"{type(head).__name__}, weight {weight.dtype}); the fused loss needs a floating-point head weight. "
+                "Keep the head unquantized: with bitsandbytes, add 'lm_head' to llm_int8_skip_modules (a list "
+                "given there replaces transformers' default, which excludes the head)."
+            )
         registered = _is_registered(model)
         model_type = getattr(model.config, "model_type", None)
         if not registered and not opts.allow_unregistered:

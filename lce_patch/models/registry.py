@@ -220,7 +220,7 @@ def supported_architectures() -> list[str]:
 
 
 def architectures_markdown() -> str:
-    """The README's list of supported and unsupported architectures, generated from this module."""
+    """The models page's (docs/models.md) list of supported and refused architectures, generated from this module."""
     lines = [
         f"**Registered ({len(REGISTRY)} model types)**, patched by `apply_fused_lce(model)` with no options "
         "(each proven equal to the unpatched model by `tests/models/test_every_architecture.py`):",

@@ -22,10 +22,10 @@ SCRIPTS = [
     "convergence.py",
     "multi_gpu_check.py",
     "tp_check.py",
-    "probe_gemm_epilogue.py",
-    "schedule_bound.py",
-    "probe_weight_grad.py",
-    "ab_setting.py",
+    "research/probe_gemm_epilogue.py",
+    "research/schedule_bound.py",
+    "research/probe_weight_grad.py",
+    "research/ab_setting.py",
     "sanitize.py",
 ]
 # DeepSpeed for the ZeRO checks on CPU, installed apart from the test environment (.ci/run puts it here):
@@ -88,8 +88,8 @@ def test_tp_check_on_cpu(part, arch, tmp_path):
 
     result = launch_check()
     if result.returncode != 0 and "terminate called without an active exception" in result.stderr:
-        # Seen once in the 19 full-suite runs whose logs this machine keeps (session 13's fresh-clone CI): a
-        # rank aborted natively (SIGABRT, std::terminate) after its first step; 18 reruns did not repeat it.
+        # Seen once in 19 full-suite runs (a fresh-clone CI run on 2026-11-24): a rank aborted natively
+        # (SIGABRT, std::terminate) after its first step; 18 reruns did not repeat it.
         # A second launch tells that apart from a real failure, which fails again (a wrong result exits 1
         # with FAIL, not an abort).
         result = launch_check()

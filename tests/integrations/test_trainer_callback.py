@@ -309,7 +309,7 @@ def test_compute_metrics_gets_the_logits_with_the_default_callback(tmp_path, op_
     assert len(op_calls) == 4
     assert ref_metrics.keys() == fused_metrics.keys()
     for key in ref_metrics:
-        if not key.endswith(("runtime", "per_second")):
+        if not key.endswith(("runtime", "per_second", "preparation_time")):
             assert fused_metrics[key] == pytest.approx(ref_metrics[key], rel=1e-6), key
 
 
@@ -327,3 +327,18 @@ def test_return_logits_in_eval_false_is_refused_where_logits_are_needed(tmp_path
     assert np.isfinite(trainer.evaluate(_eval_dataset_with_empty_batches())["eval_loss"])  # the loss only: fine
     with pytest.raises(ValueError, match="predict.*return_logits_in_eval=False"):
         trainer.predict(_eval_dataset_with_empty_batches())
+
+
+def test_compute_loss_func_is_named_as_running_unfused(tmp_path):
+    def my_loss(outputs, labels, num_items_in_batch=None):
+        return outputs.logits.float().mean()
+
+    with pytest.warns(UserWarning, match="compute_loss_func.*unfused"):
+        trainer = Trainer(
+            model=tiny_model("qwen2"),
+            args=_args(tmp_path),
+            train_dataset=_dataset(4, 0),
+            compute_loss_func=my_loss,
+            callbacks=[FusedLCECallback()],
+        )
+    trainer.train()  # trains, as unpatched (the Trainer hands the model no labels)

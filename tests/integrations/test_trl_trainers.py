@@ -194,7 +194,7 @@ def test_precomputed_reference_log_probs_are_served(model_paths, tmp_path, name,
     assert ours_init.ours.call_count > 0 and ours_init.theirs.call_count == 0
     with spies() as theirs_init:
         theirs = make_trainer(name, path, output_dir=str(tmp_path / "trl"), precompute_ref_log_probs=True)
-    assert theirs_init.theirs.call_count > 0  # computed again, not read from a cache of the first run
+    assert theirs_init.theirs.call_count > 0  # computed again, not read from a cache of the first trainer's
     np.testing.assert_allclose(ours.train_dataset[column], theirs.train_dataset[column], rtol=1e-5, atol=1e-5)
     with spies() as calls:
         ours.train()

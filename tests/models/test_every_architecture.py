@@ -157,13 +157,13 @@ def test_every_type_is_classified():
     assert IMAGES_REQUIRED <= set(VISION_TYPES)
 
 
-def test_readme_lists_the_registry():
-    """The README's architecture list is `python -m lce_patch.models`'s output (regenerate it if this fails)."""
+def test_docs_list_the_registry():
+    """The models page's architecture list is `python -m lce_patch.models`'s output (regenerate it if this fails)."""
     from pathlib import Path
 
     from lce_patch.models.registry import architectures_markdown
 
-    readme = (Path(__file__).parents[2] / "README.md").read_text()
+    page = (Path(__file__).parents[2] / "docs" / "models.md").read_text()
     start, end = "<!-- architectures:start -->\n", "<!-- architectures:end -->"
-    block = readme[readme.index(start) + len(start) : readme.index(end)]
+    block = page[page.index(start) + len(start) : page.index(end)]
     assert block == architectures_markdown()

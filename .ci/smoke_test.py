@@ -1,0 +1,34 @@
+"""Smoke test of an installed lce_patch wheel (run outside the source tree): import, the op on the CPU,
+patch a tiny model and train it two steps with the Trainer and the callback."""
+
+import tempfile
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
+
+import lce_patch
+from lce_patch import FusedLCECallback, fused_linear_cross_entropy
+
+assert "site-packages" in lce_patch.__file__, f"lce_patch imported from the source tree: {lce_patch.__file__}"
+print("lce_patch", lce_patch.__version__, "from", lce_patch.__file__)
+
+hidden = torch.randn(12, 16, requires_grad=True)
+weight = torch.randn(40, 16, requires_grad=True)
+labels = torch.randint(0, 40, (12,))
+loss = fused_linear_cross_entropy(hidden, weight, labels)
+expected = torch.nn.functional.cross_entropy(hidden @ weight.t(), labels)
+assert torch.allclose(loss, expected, rtol=1e-5), (loss, expected)
+loss.backward()
+
+torch.manual_seed(0)
+config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4)
+model = LlamaForCausalLM(config)
+rows = [{"input_ids": torch.randint(0, 64, (16,)), "labels": torch.randint(0, 64, (16,))} for _ in range(4)]
+with tempfile.TemporaryDirectory() as out:
+    args = TrainingArguments(out, max_steps=2, per_device_train_batch_size=2, use_cpu=True, report_to=[], save_strategy="no")
+    trainer = Trainer(model=model, args=args, train_dataset=rows, callbacks=[FusedLCECallback()])
+    trainer.train()
+assert lce_patch.models.is_patched(trainer.model)
+losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry] or [trainer.state.log_history[-1]["train_loss"]]
+assert all(value == value for value in losses), losses
+print("smoke test passed: loss", losses)
