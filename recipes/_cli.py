@@ -19,7 +19,10 @@ about capitals, opposites, plurals, animals, days, counting and sums) and fine-t
 
 --compare runs the same steps twice, without and with the fused loss, from the same initial weights
 and in the same data order, then prints a table (loss per step, peak memory, time per step,
-tokens/s) and writes <output-dir>/compare.png and compare.json. Peak memory is
+tokens/s) and writes <output-dir>/compare.png (loss, time per step, peak memory) and compare.json.
+Time per step and tokens/s are medians over the steps after the warm-up (the first step, the first
+two from 10 steps on), with their middle half (25th-75th percentile); the change is between the
+medians, so a few slow steps (a busy machine, a compilation) do not decide it. Peak memory is
 torch.cuda.max_memory_allocated on a GPU. On a CPU it is the peak of live tensor bytes (weights
 included), tracked op by op with a TorchDispatchMode, which slows both runs alike (by 10-25%).
 """
@@ -81,8 +84,8 @@ def build_parser(recipe: str, description: str, examples: str, **defaults: objec
     out.add_argument(
         "--output-dir",
         type=Path,
-        default=Path("runs") / recipe,
-        help="where the trained model (or the comparison's table, plot and JSON) goes (default: %(default)s)",
+        help=f"where the trained model goes (default: runs/{recipe}), or with --compare the comparison's plot, "
+        f"JSON and one subfolder per run (default: runs/{recipe}-compare)",
     )
     out.add_argument(
         "--compare",

@@ -14,9 +14,12 @@ import dataclasses
 import gc
 import importlib.util
 import json
+import logging
 import math
+import statistics
 import sys
 import time
+import warnings
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -375,6 +378,37 @@ def peak_memory(model: torch.nn.Module) -> Iterator[dict[str, Any]]:
         yield result
 
 
+def warmup_steps(steps: int) -> int:
+    """Steps left out of the speed figures: the first (CUDA/cuBLAS start-up, first-call compilation), and the
+    second too from 10 steps on (kernels first used in backward, a dynamic-shape recompilation)."""
+    return 0 if steps < 2 else 1 if steps < 10 else 2
+
+
+@dataclasses.dataclass(frozen=True)
+class Spread:
+    """The median and spread of some per-step values: quartiles (the middle half of the steps) and extremes."""
+
+    median: float
+    p25: float
+    p75: float
+    min: float
+    max: float
+    count: int
+
+    @classmethod
+    def of(cls, values: list[float]) -> Spread:
+        if not values:
+            return cls(math.nan, math.nan, math.nan, math.nan, math.nan, 0)
+        if len(values) == 1:
+            return cls(values[0], values[0], values[0], values[0], values[0], 1)
+        p25, median, p75 = statistics.quantiles(values, n=4, method="inclusive")
+        return cls(median, p25, p75, min(values), max(values), len(values))
+
+    def overlaps(self, other: Spread) -> bool:
+        """Whether the middle halves (p25-p75) of two spreads overlap."""
+        return self.p25 <= other.p75 and other.p25 <= self.p75
+
+
 @dataclasses.dataclass
 class RunResult:
     """What one training run measured."""
@@ -390,17 +424,34 @@ class RunResult:
 
     @property
     def timed(self) -> slice:
-        """The steps that time and throughput average over: all but the first (warm-up), if there are more."""
-        return slice(1 if len(self.step_seconds) > 1 else 0, None)
+        """The steps the speed figures cover: all but the warm-up (see :func:`warmup_steps`)."""
+        return slice(warmup_steps(len(self.step_seconds)), None)
 
     @property
-    def seconds_per_step(self) -> float:
-        times = self.step_seconds[self.timed]
-        return sum(times) / max(len(times), 1)
+    def step_tokens_per_second(self) -> list[float]:
+        """Non-padding tokens per second of each step."""
+        return [tokens / max(seconds, 1e-9) for tokens, seconds in zip(self.step_tokens, self.step_seconds)]
 
     @property
-    def tokens_per_second(self) -> float:
-        return sum(self.step_tokens[self.timed]) / max(sum(self.step_seconds[self.timed]), 1e-9)
+    def step_time(self) -> Spread:
+        """Seconds per optimizer step after the warm-up: median, quartiles, extremes.
+
+        Medians, not means: a few slow steps (a busy machine, a compilation) would dominate a mean."""
+        return Spread.of(self.step_seconds[self.timed])
+
+    @property
+    def tokens_per_second(self) -> Spread:
+        """Tokens per second of each step after the warm-up: median, quartiles, extremes."""
+        return Spread.of(self.step_tokens_per_second[self.timed])
+
+    def speed_summary(self) -> dict[str, Any]:
+        """The speed figures as compare.json records them."""
+        steps = len(self.step_seconds)
+        return {
+            "timed_steps": [warmup_steps(steps) + 1, steps],
+            "step_time_s": dataclasses.asdict(self.step_time),
+            "tokens_per_second": dataclasses.asdict(self.tokens_per_second),
+        }
 
 
 # ----------------------------------------------------------------------------------------------
@@ -436,6 +487,21 @@ def fused_callback(args: argparse.Namespace) -> TrainerCallback:
     return lce_patch.FusedLCECallback(**options)
 
 
+def report_deepspeed(trainer: Trainer) -> None:
+    """Under DeepSpeed (``accelerate launch --config_file recipes/accelerate/zero*.yaml``), prints the batch
+    settings its engine trained with, which come from the Trainer (``--batch-size``, ``--grad-accum``)."""
+    engine = trainer.model_wrapped
+    if not getattr(trainer, "is_deepspeed_enabled", False) or not hasattr(engine, "gradient_accumulation_steps"):
+        return
+    if trainer.is_world_process_zero():
+        print(
+            f"DeepSpeed ZeRO-{engine.zero_optimization_stage()}: micro-batch {engine.train_micro_batch_size_per_gpu()}"
+            f" x gradient accumulation {engine.gradient_accumulation_steps()} x {engine.world_size} processes"
+            f" = {engine.train_batch_size()} sequences per optimizer step",
+            flush=True,
+        )
+
+
 def train_once(
     recipe: Recipe,
     args: argparse.Namespace,
@@ -452,10 +518,13 @@ def train_once(
     recorder = StepRecorder()
     callbacks = [recorder, *([fused_callback(args)] if fused else [])]
     trainer = recipe.make_trainer(args, model, tokenizer, dataset, callbacks, output_dir)
+    if _repeat_filter is not None:
+        _repeat_filter.attach()  # loggers set up while the Trainer was built (DeepSpeed's)
     trainer.remove_callback(ProgressCallback)
     trainer.add_callback(LossProgressBar(f"{name:>9}"))
     with peak_memory(trainer.model) as memory:
         trainer.train()
+    report_deepspeed(trainer)
     if save:
         trainer.save_model(str(output_dir))
     last = recorder.logs.get(max(recorder.logs, default=0), {})
@@ -513,39 +582,101 @@ def format_table(
         return None if result.peak_bytes is None else result.peak_bytes / MIB
 
     def cell(value: float | None, fmt: str) -> str:
-        return "n/a" if value is None else format(value, fmt)
+        return "n/a" if value is None or math.isnan(value) else format(value, fmt)
 
-    rows: list[tuple[str, float | None, float | None, str]] = [
-        ("peak memory (MiB)", mib(baseline), mib(fused), ".1f"),
-        ("time per step (s)", baseline.seconds_per_step, fused.seconds_per_step, ".3f"),
-        ("tokens/s", baseline.tokens_per_second, fused.tokens_per_second, ",.0f"),
-        ("final loss", baseline.losses[-1] if steps else None, fused.losses[-1] if fused.losses else None, ".4f"),
+    def middle_half(spread: Spread, fmt: str) -> str:
+        return "n/a" if not spread.count else f"{spread.p25:{fmt}}-{spread.p75:{fmt}}"
+
+    # (label, baseline cell, fused cell, change)
+    rows: list[tuple[str, str, str, str]] = [
+        ("peak memory (MiB)", cell(mib(baseline), ".1f"), cell(mib(fused), ".1f"), _pct(mib(fused), mib(baseline)))
     ]
+    for label, (a, b), fmt in (
+        ("time per step (s)", (baseline.step_time, fused.step_time), ".3f"),
+        ("tokens/s", (baseline.tokens_per_second, fused.tokens_per_second), ",.0f"),
+    ):
+        rows.append((f"{label}, median", cell(a.median, fmt), cell(b.median, fmt), _pct(b.median, a.median)))
+        rows.append(("  middle half (p25-p75)", middle_half(a, fmt), middle_half(b, fmt), ""))
+    final_losses = (baseline.losses[-1] if steps else None, fused.losses[-1] if fused.losses else None)
+    final_change = _pct(final_losses[1], final_losses[0])
+    rows.append(("final loss", cell(final_losses[0], ".4f"), cell(final_losses[1], ".4f"), final_change))
     for key in metrics:
         if key in baseline.last_metrics and key in fused.last_metrics:
-            rows.append((f"final {key}", baseline.last_metrics[key], fused.last_metrics[key], ".4f"))
+            a, b = baseline.last_metrics[key], fused.last_metrics[key]
+            rows.append((f"final {key}", cell(a, ".4f"), cell(b, ".4f"), _pct(b, a)))
     label = max(len(r[0]) for r in rows)
+    width = max(width, *(len(r[i]) for r in rows for i in (1, 2)))
     lines += ["", f"{'':<{label}}  {baseline_label:>{width}}  {FUSED:>{width}}  {'change':>10}"]
-    for name, a, b, fmt in rows:
-        lines.append(f"{name:<{label}}  {cell(a, fmt):>{width}}  {cell(b, fmt):>{width}}  {_pct(b, a):>10}")
-    lines.append(f"peak memory: {fused.memory_method}; time and tokens/s: mean over steps 2-{steps}")
+    for name, a_cell, b_cell, change in rows:
+        lines.append(f"{name:<{label}}  {a_cell:>{width}}  {b_cell:>{width}}  {change:>10}".rstrip())
+    lines.append(f"peak memory: {fused.memory_method}")
+    lines.append(speed_note(baseline, fused, baseline_label))
     return "\n".join(lines)
 
 
+def speed_note(baseline: RunResult, fused: RunResult, baseline_label: str) -> str:
+    """What the speed rows cover, and the speed-up between the median steps in words."""
+    steps = len(fused.step_seconds)
+    first = warmup_steps(steps) + 1
+    covered = f"step {first}" if first == steps else f"steps {first}-{steps}"
+    skipped = "" if first == 1 else " (warm-up left out)"
+    note = f"time per step and tokens/s: medians over {covered}{skipped}; change: between the medians"
+    a, b = baseline.step_time, fused.step_time
+    if not (a.count and b.count) or not a.median > 0 or not b.median > 0:
+        return note
+    ratio = b.median / a.median
+    if ratio <= 1:
+        verdict = f"{FUSED}'s median step is {100 * (1 - ratio):.1f}% faster than {baseline_label}'s"
+    else:
+        verdict = f"{FUSED}'s median step is {100 * (ratio - 1):.1f}% slower than {baseline_label}'s"
+    if a.count > 1 and b.count > 1 and a.overlaps(b):
+        verdict += " (their middle halves overlap: within this machine's step-to-step noise)"
+    return f"{note}\nspeed: {verdict}"
+
+
 def plot_comparison(baseline: RunResult, fused: RunResult, baseline_label: str, title: str, path: Path) -> None:
-    """Writes a PNG: both loss curves (left) and both peak memories with the saving (right)."""
+    """Writes a PNG: both loss curves (left), both runs' time per step (middle), both peak memories (right)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
-    fig, (ax_loss, ax_mem) = plt.subplots(1, 2, figsize=(11, 4.2), gridspec_kw={"width_ratios": [2.2, 1]})
-    for result, label, style in ((baseline, baseline_label, "-"), (fused, FUSED, "--")):
+    fig, (ax_loss, ax_time, ax_mem) = plt.subplots(1, 3, figsize=(16, 4.4), gridspec_kw={"width_ratios": [2.2, 2.2, 1]})
+    runs = ((baseline, baseline_label, "-", "tab:gray"), (fused, FUSED, "--", "tab:blue"))
+    for result, label, style, color in runs:
         steps = range(1, len(result.losses) + 1)
-        ax_loss.plot(steps, result.losses, style, label=label, linewidth=1.8)
+        ax_loss.plot(steps, result.losses, style, label=label, linewidth=1.8, color=color)
     ax_loss.set(xlabel="optimizer step", ylabel="training loss", title="loss per step")
     ax_loss.grid(alpha=0.3)
     ax_loss.legend()
+
+    # Time per step, each run's median (over the steps after the warm-up) as a horizontal line.
+    warmup = warmup_steps(len(fused.step_seconds))
+    timed_max = 0.0
+    for result, label, style, color in runs:
+        steps = range(1, len(result.step_seconds) + 1)
+        ax_time.plot(steps, result.step_seconds, style, color=color, linewidth=1.2, marker=".", markersize=4)
+        spread = result.step_time
+        if spread.count:
+            ax_time.axhline(
+                spread.median, color=color, linewidth=1.5, alpha=0.8, label=f"{label}: median {spread.median:.3g} s"
+            )
+            timed_max = max(timed_max, spread.max)
+    if warmup:
+        ax_time.axvspan(0.5, warmup + 0.5, color="0.85", alpha=0.6, label="warm-up (left out)")
+    if timed_max > 0:
+        ax_time.set_ylim(0, timed_max * 1.15)  # a slow warm-up step may run off the top
+    change = _pct(fused.step_time.median, baseline.step_time.median)
+    ax_time.set(
+        xlabel="optimizer step",
+        ylabel="seconds",
+        title=f"time per step (median change {change})" if change else "time per step",
+    )
+    ax_time.grid(alpha=0.3)
+    for ax in (ax_loss, ax_time):
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax_time.legend(fontsize="small")
 
     if baseline.peak_bytes is not None and fused.peak_bytes is not None:
         values = [baseline.peak_bytes / MIB, fused.peak_bytes / MIB]
@@ -553,7 +684,7 @@ def plot_comparison(baseline: RunResult, fused: RunResult, baseline_label: str, 
         ax_mem.bar_label(bars, fmt="%.0f MiB")
         saved = values[0] - values[1]
         verb = "saved" if saved >= 0 else "more"
-        ax_mem.set_title(f"peak memory: {abs(saved):.0f} MiB {verb} ({100 * abs(saved) / values[0]:.0f}%)")
+        ax_mem.set_title(f"peak memory\n{abs(saved):.0f} MiB {verb} ({100 * abs(saved) / values[0]:.0f}%)")
         ax_mem.set_ylabel("MiB")
         ax_mem.set_ylim(0, max(values) * 1.18)
     else:
@@ -582,9 +713,91 @@ def describe(args: argparse.Namespace, tokenizer: PreTrainedTokenizerBase, datas
     )
 
 
+class RepeatFilter(logging.Filter):
+    """Lets a logged warning through the first time its text comes, and drops its repeats.
+
+    Attached to the handlers that exist (library loggers such as transformers' own, the root logger's,
+    ``logging.lastResort``); :meth:`attach` again covers handlers created since (DeepSpeed's, on import)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: set[tuple[str, int, str]] = set()
+        self.dropped = 0
+        self._handlers: list[logging.Handler] = []
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno < logging.WARNING:
+            return True
+        key = (record.name, record.levelno, record.getMessage())
+        if key in self.seen:
+            self.dropped += 1
+            return False
+        self.seen.add(key)
+        return True
+
+    def attach(self) -> None:
+        known = list(logging.Logger.manager.loggerDict.values())  # a copy: other threads may add loggers
+        loggers = [
+            logging.getLogger(),
+            *(x for x in known if isinstance(x, logging.Logger)),
+        ]
+        handlers = [h for logger in loggers for h in logger.handlers]
+        if logging.lastResort is not None:
+            handlers.append(logging.lastResort)
+        for handler in handlers:
+            if self not in handler.filters:
+                handler.addFilter(self)
+                self._handlers.append(handler)
+
+    def detach(self) -> None:
+        for handler in self._handlers:
+            handler.removeFilter(self)
+        self._handlers.clear()
+
+
+_repeat_filter: RepeatFilter | None = None  # the one of the running recipe, see warnings_once
+
+
+@contextmanager
+def warnings_once() -> Iterator[RepeatFilter]:
+    """Within the block, each library warning shows once, however often it comes.
+
+    Python warnings get the action "once" (one per text and category, from whichever line), appended after the
+    filters already set, so ``-W`` / ``PYTHONWARNINGS`` and the libraries' own "ignore" filters still win;
+    logged warnings (transformers' ``logger.warning``, once per training step in some trainers) pass a
+    :class:`RepeatFilter`. Both are undone on exit: importing lce_patch or the recipes changes nothing."""
+    global _repeat_filter
+    previous, _repeat_filter = _repeat_filter, RepeatFilter()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("once", append=True)
+        _repeat_filter.attach()
+        try:
+            yield _repeat_filter
+        finally:
+            _repeat_filter.detach()
+            _repeat_filter = previous
+
+
+def default_output_dir(recipe: Recipe, args: argparse.Namespace) -> Path:
+    """``--output-dir``, or ``runs/<recipe>`` for a training run and ``runs/<recipe>-compare`` for ``--compare``,
+    so that a comparison never writes into the folder holding a trained model."""
+    if args.output_dir is not None:
+        return args.output_dir
+    return Path("runs") / (f"{recipe.name}-compare" if args.compare else recipe.name)
+
+
 def run_recipe(recipe: Recipe, args: argparse.Namespace) -> int:
     """Train with the fused loss, or with ``--compare`` train twice and report the comparison."""
+    with warnings_once() as repeats:
+        status = _run_recipe(recipe, args)
+    if repeats.dropped:
+        print(f"({repeats.dropped} repeats of logged library warnings not shown)", file=sys.stderr)
+    return status
+
+
+def _run_recipe(recipe: Recipe, args: argparse.Namespace) -> int:
     datasets.disable_progress_bars()
+    args.output_dir = default_output_dir(recipe, args)
     args.output_dir.mkdir(parents=True, exist_ok=True)
     tokenizer = load_tokenizer(args)
     dataset = recipe.prepare_dataset(args, load_train_dataset(args), tokenizer)
@@ -593,10 +806,14 @@ def run_recipe(recipe: Recipe, args: argparse.Namespace) -> int:
     if not args.compare:
         result = train_once(recipe, args, tokenizer, dataset, fused=True, output_dir=args.output_dir, save=True)
         memory = "n/a" if result.peak_bytes is None else f"{result.peak_bytes / MIB:.1f} MiB"
+        step, rate = result.step_time, result.tokens_per_second
+        first, last = result.speed_summary()["timed_steps"]
+        spread = f" (p25-p75 {step.p25:.3f}-{step.p75:.3f})" if step.count > 1 else ""
+        covered = f"step {first}" if first == last else f"steps {first}-{last}"
         print(
             f"loss {result.losses[0]:.4f} -> {result.losses[-1]:.4f} in {len(result.losses)} steps, "
-            f"peak memory {memory}, {result.seconds_per_step:.3f} s/step, {result.tokens_per_second:,.0f} tokens/s; "
-            f"model saved to {args.output_dir}"
+            f"peak memory {memory}, median {step.median:.3f} s/step{spread} and {rate.median:,.0f} tokens/s "
+            f"over {covered}; model saved to {args.output_dir}"
         )
         return 0
 
@@ -614,10 +831,11 @@ def run_recipe(recipe: Recipe, args: argparse.Namespace) -> int:
         "recipe": recipe.name,
         "baseline": recipe.baseline,
         "setup": describe(args, tokenizer, dataset),
-        "runs": [
-            {**dataclasses.asdict(r), "seconds_per_step": r.seconds_per_step, "tokens_per_second": r.tokens_per_second}
-            for r in results
-        ],
+        "speed_change": {
+            "step_time_median": _pct(fused.step_time.median, baseline.step_time.median),
+            "tokens_per_second_median": _pct(fused.tokens_per_second.median, baseline.tokens_per_second.median),
+        },
+        "runs": [{**dataclasses.asdict(r), **r.speed_summary()} for r in results],
     }
     record.write_text(json.dumps(summary, indent=1, allow_nan=True) + "\n", encoding="utf-8")
     print(f"\nwrote {png} and {record}")

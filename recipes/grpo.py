@@ -108,8 +108,10 @@ def make_trainer(
     import _common
     from trl import GRPOConfig, GRPOTrainer
 
+    # GRPO's batches hold prompts, not ``input_ids``: the Trainer's token count would warn at every step that
+    # it cannot count them; the recipe counts the tokens GRPO trains on from TRL's own ``num_tokens`` instead.
     config = GRPOConfig(
-        **_common.training_kwargs(args, output_dir),
+        **{**_common.training_kwargs(args, output_dir), "include_num_input_tokens_seen": "no"},
         num_generations=args.num_generations,
         max_completion_length=args.max_completion_length,
         beta=args.beta,

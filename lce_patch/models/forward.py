@@ -141,7 +141,6 @@ class LossJob:
         self.num_items_in_batch = call.get("num_items_in_batch")
         self.loss: torch.Tensor | None = None
         self.returned = False
-        self.num_valid_tokens: int | None = None
         self.read_valid_count = None
         if options.skip_ignored and not torch.compiler.is_compiling():
             # Counted before the decoder is queued, read in the head's call: the loss then skips
@@ -198,9 +197,9 @@ class LossJob:
         if isinstance(num_items, torch.Tensor):
             return _nan_where(loss, num_items.reshape(()) == 0)
         if num_items is not None:
-            return loss if num_items != 0 else _nan_where(loss, torch.ones((), dtype=torch.bool))
+            return loss if num_items != 0 else loss + torch.nan  # the gradient passes through unchanged
         if num_valid_tokens is not None:  # counted on the host already: no device work
-            return loss if num_valid_tokens > 0 else _nan_where(loss, torch.ones((), dtype=torch.bool))
+            return loss if num_valid_tokens > 0 else loss + torch.nan
         valid = (targets[..., 1:] if shift else targets) != self.ignore_index
         return _nan_where(loss, valid.sum() == 0)
 

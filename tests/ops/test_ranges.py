@@ -51,11 +51,11 @@ _SETUPS = [("torch", torch.float32, 300), ("torch", torch.float64, 300)]
 _SETUPS += [("triton", torch.float32, 300)] * TRITON_RUNS
 PARAMS = [(*setup, *case) for setup in _SETUPS for case in CASES]
 # Several vocabulary blocks and a masked tail; the interpreter takes ~18 s per case there, so on the CPU
-# only the confident (temperature 0.1) cases run
+# only the most confident case runs (temperature 0.1, no softcap)
 PARAMS += [
     ("triton", torch.float32, 4173, *case)
     for case in CASES
-    if TRITON_RUNS and (TRITON_DEVICE.type == "cuda" or case[0] < 1.0)
+    if TRITON_RUNS and (TRITON_DEVICE.type == "cuda" or case == (0.1, None))
 ]
 
 

@@ -40,30 +40,68 @@ def test_help_is_instant_and_complete(recipe: str) -> None:
         assert option in done.stdout
 
 
+def _repeated_warnings(err: str) -> list[str]:
+    """Warning lines (Python warnings, transformers' logged ones) that stderr shows more than once."""
+    lines = [line.split("\r")[-1].strip() for line in err.splitlines()]
+    warned = [line for line in lines if "Warning:" in line or line.startswith("[transformers]")]
+    return sorted({line for line in warned if warned.count(line) > 1})
+
+
 @pytest.mark.parametrize("recipe", RECIPES)
-def test_embedded_default_trains_and_saves(recipe: str, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    """No --model, no --dataset: the embedded model trains a couple of steps with the fused loss and is saved."""
-    assert _main(recipe)([*TINY, "--output-dir", str(tmp_path)]) == 0
-    out = capsys.readouterr().out
-    assert "embedded Llama" in out and "loss" in out
-    assert (tmp_path / "config.json").is_file()
-    assert (tmp_path / "tokenizer.json").is_file()
+def test_embedded_default_trains_and_saves(
+    recipe: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture
+) -> None:
+    """No --model, no --dataset: the embedded model trains a couple of steps with the fused loss and is saved
+    to runs/<recipe> (no --output-dir either), a folder of its own."""
+    monkeypatch.chdir(tmp_path)
+    assert _main(recipe)(TINY) == 0
+    out, err = capfd.readouterr()
+    assert "embedded Llama" in out and "loss" in out and "median" in out
+    saved = tmp_path / "runs" / recipe
+    assert (saved / "config.json").is_file()
+    assert (saved / "tokenizer.json").is_file()
+    assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == [recipe]
+    assert not _repeated_warnings(err)
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_compare_prints_the_table_and_writes_the_plot(
-    recipe: str, tmp_path: Path, capsys: pytest.CaptureFixture
+    recipe: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture
 ) -> None:
-    """--compare: two runs of the same steps; the table, the PNG and the JSON; equal losses."""
-    assert _main(recipe)([*TINY, "--compare", "--output-dir", str(tmp_path)]) == 0
-    out = capsys.readouterr().out
-    for row in ("step", "peak memory (MiB)", "time per step (s)", "tokens/s", "final loss", "lce_patch"):
+    """--compare: two runs of the same steps; the table, the PNG and the JSON; equal losses. With no
+    --output-dir it writes to runs/<recipe>-compare, never into runs/<recipe> where training saves its model;
+    repeated library warnings (GRPO's, once per step) show once."""
+    monkeypatch.chdir(tmp_path)
+    assert _main(recipe)([*TINY, "--compare"]) == 0
+    out, err = capfd.readouterr()
+    for row in (
+        "step",
+        "peak memory (MiB)",
+        "time per step (s), median",
+        "tokens/s, median",
+        "middle half (p25-p75)",
+        "final loss",
+        "lce_patch",
+    ):
         assert row in out
+    assert "time per step and tokens/s: medians over step 2 (warm-up left out)" in out
+    assert "speed: lce_patch's median step is" in out
+    assert not _repeated_warnings(err), _repeated_warnings(err)
+    assert "Tried to track the number of tokens seen" not in err  # GRPO counts TRL's num_tokens instead
 
-    png = tmp_path / "compare.png"
+    assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == [f"{recipe}-compare"]
+    out_dir = tmp_path / "runs" / f"{recipe}-compare"
+    assert not (out_dir / "config.json").exists()
+    png = out_dir / "compare.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    record = json.loads((tmp_path / "compare.json").read_text())
+    record = json.loads((out_dir / "compare.json").read_text())
+    assert set(record["speed_change"]) == {"step_time_median", "tokens_per_second_median"}
     baseline, fused = record["runs"]
+    for run in (baseline, fused):
+        assert run["timed_steps"] == [2, 2]
+        assert run["step_time_s"]["median"] == pytest.approx(run["step_seconds"][1])
+        assert run["step_time_s"]["count"] == 1
+        assert run["tokens_per_second"]["median"] > 0
     assert [baseline["name"], fused["name"]] == ["baseline", "lce_patch"]
     assert len(baseline["losses"]) == len(fused["losses"]) == 2
     assert fused["losses"] == pytest.approx(baseline["losses"], abs=1e-3)
@@ -100,3 +138,101 @@ def test_cpu_peak_memory_counts_live_tensors_only() -> None:
     assert tracker.peak == 5 * MIB
     del b, c
     assert tracker.current == MIB
+
+
+def _run_result(name: str, step_seconds: list[float], tokens: int = 1000):
+    from _common import RunResult
+
+    steps = len(step_seconds)
+    return RunResult(name, [1.0] * steps, step_seconds, [tokens] * steps, None, "n/a")
+
+
+def test_speed_is_reported_from_medians_not_means() -> None:
+    """A few slow steps (a busy machine) make the fused run's mean step slower; the medians, which the
+    table's change and the speed line report, say it is 30% faster. The first two steps (warm-up) are left out."""
+    from _common import Spread, format_table, warmup_steps
+
+    assert [warmup_steps(n) for n in (1, 2, 9, 10, 60)] == [0, 1, 1, 2, 2]
+    baseline = _run_result("baseline", [9.0, 9.0] + [1.0] * 18)
+    fused = _run_result("lce_patch", [9.0, 9.0] + [0.7] * 15 + [6.0] * 3)
+    assert sum(fused.step_seconds[2:]) > sum(baseline.step_seconds[2:])  # the mean says slower
+    assert fused.step_time == Spread(median=0.7, p25=0.7, p75=0.7, min=0.7, max=6.0, count=18)
+    assert baseline.tokens_per_second.median == pytest.approx(1000.0)
+    assert fused.tokens_per_second.median == pytest.approx(1000 / 0.7)
+
+    table = format_table(baseline, fused, "TRL head", metrics=())
+    rows = {line.split("  ")[0]: line.split() for line in table.splitlines() if "median" in line.split("  ")[0]}
+    assert rows["time per step (s), median"][-3:] == ["1.000", "0.700", "-30.0%"]
+    assert rows["tokens/s, median"][-3:] == ["1,000", "1,429", "+42.9%"]
+    assert "medians over steps 3-20 (warm-up left out)" in table
+    assert "speed: lce_patch's median step is 30.0% faster than TRL head's" in table
+    assert "overlap" not in table
+
+    noisy = _run_result("lce_patch", [9.0, 9.0] + [0.9, 1.2] * 9)
+    assert "10.0% faster than TRL head's" not in format_table(baseline, noisy, "TRL head", metrics=())
+    assert "(their middle halves overlap" in format_table(baseline, noisy, "TRL head", metrics=())
+
+
+def test_compare_plot_shows_loss_speed_and_memory(tmp_path: Path) -> None:
+    """The PNG has three panels: loss per step, time per step (with the medians), peak memory."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from _common import plot_comparison
+
+    baseline = _run_result("baseline", [5.0, 1.0, 1.1, 0.9, 1.0])
+    fused = _run_result("lce_patch", [5.0, 0.8, 0.7, 0.9, 0.8])
+    baseline.peak_bytes, fused.peak_bytes = 300 * 2**20, 150 * 2**20
+    figures = []
+    real_close = plt.close
+    plt.close = figures.append  # keep the figure to look at it
+    try:
+        plot_comparison(baseline, fused, "TRL head", "title", tmp_path / "compare.png")
+    finally:
+        plt.close = real_close
+    (figure,) = figures
+    titles = [ax.get_title() for ax in figure.axes]
+    assert titles[0] == "loss per step"
+    assert titles[1] == "time per step (median change -20.0%)"
+    assert titles[2].startswith("peak memory")
+    labels = figure.axes[1].get_legend_handles_labels()[1]
+    assert labels == ["TRL head: median 1 s", "lce_patch: median 0.8 s", "warm-up (left out)"]
+    real_close(figure)
+    assert (tmp_path / "compare.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_repeated_warnings_show_once_and_only_inside_the_recipe() -> None:
+    """warnings_once: a logged warning (transformers' logger) and a Python warning repeated from several places
+    show once inside the block; outside it, nothing has changed."""
+    import io
+    import logging
+    import warnings
+
+    from _common import warnings_once
+    from transformers.utils import logging as hf_logging
+
+    logger = hf_logging.get_logger("transformers.trainer")
+    library_logger = logging.getLogger("transformers")  # its handler, as transformers sets it up, to a string
+    stream = io.StringIO()
+    root_handler = logging.StreamHandler(stream)
+    handlers_before, library_logger.handlers = library_logger.handlers, [root_handler]
+    filters_before = list(warnings.filters)
+    try:
+        with warnings_once() as repeats, warnings.catch_warnings(record=True) as caught:
+            warnings.filters[:] = [f for f in warnings.filters if f[0] == "once"]  # pytest's own "always" aside
+            for _ in range(3):
+                logger.warning("a warning at every step")
+                warnings.warn("a deprecated thing", FutureWarning, stacklevel=1)
+                warnings.warn("a deprecated thing", FutureWarning, stacklevel=1)  # another line
+            logger.warning("another warning")
+        assert stream.getvalue().count("a warning at every step") == 1
+        assert stream.getvalue().count("another warning") == 1
+        assert repeats.dropped == 2  # run_recipe reports the number at the end
+        assert [str(w.message) for w in caught] == ["a deprecated thing"]
+        assert warnings.filters == filters_before
+        assert not any(type(f).__name__ == "RepeatFilter" for f in root_handler.filters)
+        logger.warning("a warning at every step")  # outside the block: shown again
+        assert stream.getvalue().count("a warning at every step") == 2
+    finally:
+        library_logger.handlers = handlers_before
