@@ -28,41 +28,34 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))  # lce_patch from this checkout, not an installed copy
 
-CONFIGS = {
-    "llama-3.2-1b": dict(
-        model_type="llama",
-        vocab_size=128256,
-        hidden_size=2048,
-        intermediate_size=8192,
-        num_hidden_layers=16,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        max_position_embeddings=8192,
-        rope_theta=500000.0,
-        tie_word_embeddings=True,
-    ),
-    "tiny": dict(
-        model_type="llama",
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-    ),
-}
+# The real shapes come from e2e_train.py's models; "tiny" is a CPU smoke test of the script.
+MODELS = ("llama-3.2-1b", "gemma-2-2b", "tiny")
+TINY = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+)
 
 
-def _build(name: str, path: Path, device: str) -> None:
+def _build(name: str, path: Path) -> int:
+    """Save a random-weight model of ``name`` to ``path``; returns its vocabulary size."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = dict(CONFIGS[name])
-    config = AutoConfig.for_model(config.pop("model_type"), **config)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    if name == "tiny":
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(LlamaConfig(**TINY)).to(torch.bfloat16)
+    else:
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from e2e_train import build_model
+
+        model = build_model(name)
     model.save_pretrained(path)
+    return model.config.vocab_size
 
 
 def _load(path: Path, device: str, lora_rank: int):
@@ -89,7 +82,7 @@ def _load(path: Path, device: str, lora_rank: int):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="llama-3.2-1b", choices=sorted(CONFIGS))
+    parser.add_argument("--model", default="llama-3.2-1b", choices=MODELS)
     parser.add_argument("--seq-len", type=int, default=4096)
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--steps", type=int, default=6)
@@ -106,13 +99,14 @@ def main() -> None:
     name = "tiny" if args.tiny else args.model
     seq_len = 64 if args.tiny else args.seq_len
     steps = 3 if args.tiny else args.steps
-    vocab = CONFIGS[name]["vocab_size"]
-    generator = torch.Generator().manual_seed(2)
-    batches = [torch.randint(0, vocab, (args.batch, seq_len), generator=generator) for _ in range(steps)]
     results: dict = {"model": name, "seq_len": seq_len, "batch": args.batch, "lora_rank": args.lora_rank, "runs": {}}
     grads = {}
     with tempfile.TemporaryDirectory() as tmp:
-        _build(name, Path(tmp), device)
+        vocab = _build(name, Path(tmp))
+        if device == "cuda":
+            torch.cuda.empty_cache()
+        generator = torch.Generator().manual_seed(2)
+        batches = [torch.randint(0, vocab, (args.batch, seq_len), generator=generator) for _ in range(steps)]
         for setup in ("unpatched", "patched"):
             model = _load(Path(tmp), device, args.lora_rank)
             head = model.get_base_model().lm_head

@@ -22,6 +22,8 @@ SCRIPTS = [
     "convergence.py",
     "multi_gpu_check.py",
     "tp_check.py",
+    "qlora_check.py",
+    "plot_results.py",
     "research/probe_gemm_epilogue.py",
     "research/schedule_bound.py",
     "research/probe_weight_grad.py",
@@ -116,3 +118,18 @@ def test_bench_trl_tiny_on_cpu(trainer, tmp_path):
     (record,) = [json.loads(p.read_text()) for p in tmp_path.glob("bench_trl_*.json")]
     check = record["results"]["check"]
     assert check["loss_abs_diff"] < 1e-5 and check["worst_grad_rel_l2"] < 1e-4  # the two heads agree
+
+
+def test_qlora_check_tiny_on_cpu(tmp_path):
+    pytest.importorskip("bitsandbytes")
+    pytest.importorskip("peft")
+    out = tmp_path / "qlora.json"
+    result = _run(["qlora_check.py", "--tiny", "--out", str(out)], tmp_path)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
+    report = json.loads(out.read_text())
+    patched, unpatched = report["runs"]["patched"], report["runs"]["unpatched"]
+    assert (
+        patched["head_dtype"] == unpatched["head_dtype"] == "torch.float32"
+    )  # upcast by prepare_model_for_kbit_training
+    assert patched["losses"] == pytest.approx(unpatched["losses"], rel=1e-4)
+    assert report["lora_grad_rel_err_max"] < 1e-2  # bf16 autocast on both sides
