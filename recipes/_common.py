@@ -721,19 +721,24 @@ class RepeatFilter(logging.Filter):
 
     def __init__(self) -> None:
         super().__init__()
-        self.seen: set[tuple[str, int, str]] = set()
-        self.dropped = 0
+        # text -> the record that first carried it: that record passes every handler it reaches (a record
+        # propagates through several), later records with the same text pass none
+        self.first: dict[tuple[str, int, str], logging.LogRecord] = {}
+        self.dropped = 0  # records dropped, each counted once however many handlers it reached
+        self._last_dropped: logging.LogRecord | None = None
         self._handlers: list[logging.Handler] = []
 
     def filter(self, record: logging.LogRecord) -> bool:
         if record.levelno < logging.WARNING:
             return True
         key = (record.name, record.levelno, record.getMessage())
-        if key in self.seen:
+        first = self.first.setdefault(key, record)
+        if first is record:
+            return True
+        if record is not self._last_dropped:
+            self._last_dropped = record
             self.dropped += 1
-            return False
-        self.seen.add(key)
-        return True
+        return False
 
     def attach(self) -> None:
         known = list(logging.Logger.manager.loggerDict.values())  # a copy: other threads may add loggers

@@ -214,9 +214,12 @@ def test_repeated_warnings_show_once_and_only_inside_the_recipe() -> None:
 
     logger = hf_logging.get_logger("transformers.trainer")
     library_logger = logging.getLogger("transformers")  # its handler, as transformers sets it up, to a string
-    stream = io.StringIO()
+    stream, second_stream = io.StringIO(), io.StringIO()
     root_handler = logging.StreamHandler(stream)
-    handlers_before, library_logger.handlers = library_logger.handlers, [root_handler]
+    # a second handler (a log file, pytest's capture): a record passes through both, and the first of each
+    # text must reach both, its repeats neither, each repeat counted once
+    second_handler = logging.StreamHandler(second_stream)
+    handlers_before, library_logger.handlers = library_logger.handlers, [root_handler, second_handler]
     filters_before = list(warnings.filters)
     try:
         with warnings_once() as repeats, warnings.catch_warnings(record=True) as caught:
@@ -226,8 +229,9 @@ def test_repeated_warnings_show_once_and_only_inside_the_recipe() -> None:
                 warnings.warn("a deprecated thing", FutureWarning, stacklevel=1)
                 warnings.warn("a deprecated thing", FutureWarning, stacklevel=1)  # another line
             logger.warning("another warning")
-        assert stream.getvalue().count("a warning at every step") == 1
-        assert stream.getvalue().count("another warning") == 1
+        for text in (stream.getvalue(), second_stream.getvalue()):
+            assert text.count("a warning at every step") == 1
+            assert text.count("another warning") == 1
         assert repeats.dropped == 2  # run_recipe reports the number at the end
         assert [str(w.message) for w in caught] == ["a deprecated thing"]
         assert warnings.filters == filters_before
