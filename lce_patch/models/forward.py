@@ -288,11 +288,19 @@ def _hook_package(hook: Any) -> str:
     return module.split(".")[0]
 
 
-def _user_hooks(module: torch.nn.Module) -> list[Any]:
-    """The forward (post-)hooks on ``module``, its own and the global ones, that no trusted package put there."""
+def _user_hooks(module: torch.nn.Module, backward: bool = False) -> list[Any]:
+    """The forward (post-)hooks on ``module``, its own and the global ones, that no trusted package put there;
+    with ``backward``, its (and the global) module backward hooks too."""
     from torch.nn.modules import module as module_module
 
     hooks = [*module._forward_hooks.values(), *module_module._global_forward_hooks.values()]
+    if backward:
+        hooks += [
+            *module._backward_hooks.values(),
+            *module._backward_pre_hooks.values(),
+            *module_module._global_backward_hooks.values(),
+            *module_module._global_backward_pre_hooks.values(),
+        ]
     return [hook for hook in hooks if _hook_package(hook) not in _TRUSTED_HOOK_PACKAGES]
 
 
@@ -323,11 +331,12 @@ def unfused_reason(model: torch.nn.Module, patched_forward: Any, want_logits: bo
                 "revert_fused_lce(model)"
             )
     for leaf in head_leaves(model.get_output_embeddings()):
-        hooks = _user_hooks(leaf)
+        hooks = _user_hooks(leaf, backward=True)
         if hooks:
             return (
-                f"a forward hook ({_hook_name(hooks[0])}) on {type(model).__name__}'s LM head could change the "
-                "logits, which the fused loss never builds. Remove the hook, or revert_fused_lce(model)"
+                f"a hook ({_hook_name(hooks[0])}) on {type(model).__name__}'s LM head could read or change the "
+                "logits or their gradient, which the fused loss never builds. Remove the hook, or "
+                "revert_fused_lce(model)"
             )
     if not want_logits:
         hooks = _user_hooks(model)

@@ -151,7 +151,7 @@ def test_forward_hook_on_the_head_is_honoured_unfused(hook, monkeypatch):
     reference.train()
     batch = _batch(3)
     out, messages = _warnings_of(lambda: model(**batch))
-    assert len(messages) == 1 and "forward hook" in messages[0] and hook.__name__ in messages[0]
+    assert len(messages) == 1 and "hook" in messages[0] and hook.__name__ in messages[0]
     ref = reference(**batch)
     assert_close(out.loss, ref.loss, what="hooked loss")
     assert calls == []
@@ -159,6 +159,28 @@ def test_forward_hook_on_the_head_is_honoured_unfused(hook, monkeypatch):
         handle.remove()
     assert model(**batch).logits is None and calls == [1]  # hook removed: fused again
     assert_close(model(**batch).loss, reference(**batch).loss, what="loss after removing the hook")
+
+
+def test_backward_hook_on_the_head_is_honoured_unfused(monkeypatch):
+    """A module backward hook on the head that scales the logits' gradient changes the unpatched model's
+    gradients; the fused loss builds no logits gradient, so that call runs unfused."""
+    calls = _fused_calls(monkeypatch)
+    model, reference = pair("llama")
+    lce_patch.apply_fused_lce(model)
+
+    def scale_logit_grad(module, grad_output):
+        return (grad_output[0] * 0.5,)
+
+    for m in (model, reference):
+        m.lm_head.register_full_backward_pre_hook(scale_logit_grad)
+        m.train()
+    batch = _batch(11)
+    out, messages = _warnings_of(lambda: model(**batch))
+    ref = reference(**batch)
+    assert len(messages) == 1 and "scale_logit_grad" in messages[0] and calls == []
+    out.loss.backward()
+    ref.loss.backward()
+    assert_grads_match(model, reference)
 
 
 def test_global_forward_hook_and_a_hook_on_the_model_are_honoured(monkeypatch):
