@@ -1,0 +1,171 @@
+"""An axolotl plugin: the fused loss from two lines of YAML.
+
+    plugins:
+      - lce_patch.integrations.axolotl.LCEPatchPlugin
+
+axolotl imports the class named under ``plugins:`` and mixes :class:`LCEPatchArgs` into its config schema, so
+the ``lce_patch*`` keys below are validated with axolotl's own. The plugin then
+
+- patches the model axolotl built, after adapters are attached (``post_model_load``: LoRA, QLoRA and
+  ``lora_modules_to_save`` work as with :func:`lce_patch.apply_fused_lce`);
+- hands the trainer a :class:`~lce_patch.FusedLCECallback`, which serves axolotl's trainer the way it serves
+  ``transformers.Trainer`` (evaluation logits exactly where the Trainer needs them; TRL >= 1.15 heads).
+
+The plugin is also registered under the ``axolotl.plugins`` entry point (axolotl >= 0.21 loads those without
+a ``plugins:`` line), so it does nothing unless it is on: ``lce_patch: true``, or ``lce_patch`` unset and the
+plugin listed under ``plugins:``. Configurations that cannot work are refused when axolotl validates the config.
+
+This module imports axolotl and pydantic, so it is imported only by axolotl (never by ``import lce_patch``).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Literal
+
+from axolotl.integrations.base import BasePlugin
+from pydantic import BaseModel, Field, model_validator
+
+__all__ = ["LCEPatchArgs", "LCEPatchPlugin"]
+
+LOG = logging.getLogger(__name__)
+
+PLUGIN_NAMES = (f"{__name__}.LCEPatchPlugin", f"{__name__}:LCEPatchPlugin")
+
+# axolotl keys that put another loss in the model's place (each patches the loss or the forward itself)
+_OTHER_LOSSES = {
+    "cut_cross_entropy": "Cut Cross-Entropy's plugin",
+    "liger_fused_linear_cross_entropy": "Liger's fused linear cross-entropy",
+    "liger_cross_entropy": "Liger's cross-entropy",
+    "chunked_cross_entropy": "axolotl's chunked cross-entropy",
+}
+
+
+def _listed(plugins: Any) -> bool:
+    return any(str(name) in PLUGIN_NAMES for name in plugins or ())
+
+
+def is_enabled(cfg: Any) -> bool:
+    """Whether the plugin is on for this config (a dict or axolotl's ``DictDefault``)."""
+    value = cfg.get("lce_patch")
+    return bool(value) if value is not None else _listed(cfg.get("plugins"))
+
+
+def _head_has_lora(target_modules: Any) -> bool:
+    if isinstance(target_modules, str):  # a regular expression over module names, as PEFT takes it
+        return "lm_head" in target_modules
+    return any(str(name).split(".")[-1] == "lm_head" for name in target_modules or ())
+
+
+def _conflicts(data: dict[str, Any]) -> list[str]:
+    problems = []
+    for key, what in _OTHER_LOSSES.items():
+        on = data.get(key)
+        if key == "cut_cross_entropy" and on is None:  # CCE's own key defaults to on once its plugin is listed
+            on = any("CutCrossEntropyPlugin" in str(name) for name in data.get("plugins") or ())
+        if on:
+            problems.append(f"`{key}` ({what}) also replaces the loss; set `{key}: false` or drop lce_patch")
+    if data.get("kd_trainer"):
+        problems.append(
+            "`kd_trainer` (axolotl's knowledge distillation) computes its loss from the student's logits, which a "
+            "fused loss never builds; drop lce_patch for distillation runs"
+        )
+    if data.get("reward_model") or data.get("process_reward_model"):
+        problems.append("reward models have a score head, not an LM head: there is no cross-entropy to fuse")
+    if _head_has_lora(data.get("lora_target_modules")):
+        problems.append(
+            "`lora_target_modules` puts a LoRA adapter on lm_head, which the fused loss cannot run yet; train the "
+            "head fully with `lora_modules_to_save: [lm_head]`, or leave it frozen"
+        )
+    return problems
+
+
+class LCEPatchArgs(BaseModel):
+    """The YAML keys of the lce_patch plugin (validated by axolotl with its own)."""
+
+    lce_patch: bool | None = Field(
+        default=None,
+        json_schema_extra={"description": "Train with lce_patch's fused loss (default: on when the plugin is listed)."},
+    )
+    lce_patch_chunk_size: int | None = Field(
+        default=None,
+        gt=0,
+        json_schema_extra={"description": "Tokens per chunk of logits (default: chosen from the shape)."},
+    )
+    lce_patch_backend: Literal["auto", "triton", "torch"] | None = Field(
+        default=None,
+        json_schema_extra={"description": "'triton' kernels, the chunked 'torch' path, or 'auto' (the default)."},
+    )
+    lce_patch_return_logits_in_eval: bool | None = Field(
+        default=None,
+        json_schema_extra={
+            "description": "Evaluation logits: unset = where the trainer needs them, true = always, false = never."
+        },
+    )
+    lce_patch_allow_unregistered: bool | None = Field(
+        default=None,
+        json_schema_extra={
+            "description": "Patch an architecture lce_patch has no entry for, after checking it against its own loss."
+        },
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def check_lce_patch(cls, data: Any) -> Any:
+        if not isinstance(data, dict) or not is_enabled(data):
+            return data
+        problems = _conflicts(data)
+        if problems:
+            raise ValueError(
+                "lce_patch: this configuration cannot train with the fused loss:\n- " + "\n- ".join(problems)
+            )
+        data["lce_patch"] = True
+        if data.get("rl") and not _trl_has_fused_heads():
+            LOG.warning(
+                "lce_patch: `rl: %s` runs TRL's trainer, and this TRL (< 1.15) computes its losses from the full "
+                "logits without labels: the model stays patched but that training runs unfused.",
+                data.get("rl"),
+            )
+        return data
+
+
+def _trl_has_fused_heads() -> bool:
+    try:
+        from trl.trainer.utils import add_fused_lm_head  # noqa: F401 (TRL >= 1.15)
+    except ImportError:
+        return False
+    return True
+
+
+def options_from(cfg: Any) -> dict[str, Any]:
+    """The :func:`lce_patch.apply_fused_lce` options the config's ``lce_patch_*`` keys ask for."""
+    keys = {
+        "chunk_size": "lce_patch_chunk_size",
+        "backend": "lce_patch_backend",
+        "return_logits_in_eval": "lce_patch_return_logits_in_eval",
+        "allow_unregistered": "lce_patch_allow_unregistered",
+    }
+    return {option: cfg.get(key) for option, key in keys.items() if cfg.get(key) is not None}
+
+
+class LCEPatchPlugin(BasePlugin):
+    """axolotl plugin: patch the loaded model with :func:`lce_patch.apply_fused_lce` and serve the trainer."""
+
+    def get_input_args(self) -> str:
+        return f"{__name__}.LCEPatchArgs"
+
+    def post_model_load(self, cfg: Any, model: Any) -> None:
+        # After adapters are attached; axolotl also calls this for a separately loaded reference model.
+        if not is_enabled(cfg):
+            return
+        from lce_patch import apply_fused_lce
+
+        apply_fused_lce(model, **options_from(cfg))
+        LOG.info("lce_patch: %s trains with the fused linear cross-entropy", type(model).__name__)
+
+    def add_callbacks_pre_trainer(self, cfg: Any, model: Any) -> list:
+        if not is_enabled(cfg):
+            return []
+        from lce_patch import FusedLCECallback
+
+        return [FusedLCECallback(**options_from(cfg))]

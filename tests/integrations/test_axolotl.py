@@ -1,0 +1,106 @@
+"""The axolotl plugin, through the real axolotl (its own environment: see axolotl_runs.py).
+
+axolotl pins its own torch, transformers, TRL and PEFT, so it is installed in a virtual environment of
+its own (``.ci/run`` builds one in ``.ci-deps/axolotl``; ``LCE_PATCH_AXOLOTL_PYTHON`` names another). The
+runs happen once, in that environment; the tests here read what they measured.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+RUNS = Path(__file__).with_name("axolotl_runs.py")
+TRAIN_STEPS, GRAD_ACCUM = 3, 2
+
+
+def _axolotl_python() -> str | None:
+    configured = os.environ.get("LCE_PATCH_AXOLOTL_PYTHON")
+    if configured:
+        return configured
+    default = REPO / ".ci-deps" / "axolotl" / "bin" / "python"
+    return str(default) if default.exists() else None
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict:
+    python = _axolotl_python()
+    if python is None:
+        if os.environ.get("CI"):
+            pytest.fail("CI must run the axolotl checks: .ci/run builds .ci-deps/axolotl")
+        pytest.skip("no axolotl environment (.ci-deps/axolotl or LCE_PATCH_AXOLOTL_PYTHON)")
+    workdir = tmp_path_factory.mktemp("axolotl")
+    out = workdir / "runs.json"
+    # this checkout's lce_patch, whatever that environment has installed
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    proc = subprocess.run(
+        [python, str(RUNS), str(workdir), str(out)], capture_output=True, text=True, timeout=1200, cwd=workdir, env=env
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    results = json.loads(out.read_text())
+    assert not results["errors"], "\n".join(results["errors"].values())
+    return results
+
+
+@pytest.mark.parametrize("name", ["llama_full", "llama_lora", "gemma2_full", "gemma2_lora", "llama_qlora"])
+def test_plugin_trains_like_axolotl_without_it(runs, name):
+    run = runs[name]
+    assert run["patched"]
+    # every training micro-batch went through the fused op (axolotl's end-of-training evaluation adds more)
+    assert run["train_op_calls"] >= TRAIN_STEPS * GRAD_ACCUM
+    assert len(run["losses"]) == len(run["reference_losses"]) == TRAIN_STEPS
+    assert run["losses"] == pytest.approx(run["reference_losses"], rel=1e-5)
+    assert run["reference_losses"][0] != run["reference_losses"][-1]  # it trained
+    assert run["same_parameter_names"]
+    # float32 on the CPU; three AdamW steps of 1e-3 move weights by ~3e-3, so 1e-5 tells a wrong gradient apart
+    assert run["max_weight_diff"] <= 1e-5 * max(run["max_weight"], 1.0)
+    # evaluation with labels and without compute_metrics is loss-only: fused, and equal
+    assert run["eval_op_calls"] > 0 and run["reference_eval_op_calls"] == 0
+    assert run["eval_loss"] == pytest.approx(run["reference_eval_loss"], rel=1e-5)
+
+
+def test_predict_returns_the_logits_of_the_unpatched_model(runs):
+    run = runs["gemma2_full"]  # a softcapped head: the logits returned must be the softcapped ones
+    assert run["logits_shape"][0] > 0 and run["logits_shape"][-1] > 1000
+    assert run["max_logit_diff"] <= 1e-5
+
+
+def test_no_eval_logits_keeps_a_fused_eval_loss_and_refuses_predict(runs):
+    run = runs["gemma2_no_eval_logits"]
+    assert run["eval_loss"] == pytest.approx(run["reference_eval_loss"], rel=1e-5)
+    assert "return_logits_in_eval=False" in run["predict_error"]
+
+
+def test_plugin_listed_but_switched_off_does_nothing(runs):
+    run = runs["gemma2_switched_off"]
+    assert not run["patched"] and run["train_op_calls"] == 0 and run["eval_op_calls"] == 0
+    assert run["losses"] == run["reference_losses"] and run["max_weight_diff"] == 0.0
+
+
+@pytest.mark.parametrize(
+    "name", ["cut_cross_entropy", "liger_fused_linear_cross_entropy", "chunked_cross_entropy", "lora_on_head"]
+)
+def test_conflicting_configurations_are_refused_at_validation(runs, name):
+    message = runs["refused"][name]
+    assert message is not None, f"{name}: the config was accepted"
+    assert "lce_patch: this configuration cannot train with the fused loss" in message
+    key = "lora_target_modules" if name == "lora_on_head" else name
+    assert f"`{key}`" in message
+
+
+def test_plugin_is_registered_as_an_axolotl_entry_point():
+    # axolotl >= 0.21 registers installed plugins from this group (they stay off until their key is on)
+    try:
+        distribution = importlib.metadata.distribution("lce-patch")
+    except importlib.metadata.PackageNotFoundError:
+        pytest.skip("lce_patch is not installed (run from a checkout)")
+    points = [point for point in distribution.entry_points if point.group == "axolotl.plugins"]
+    assert [(point.name, point.value) for point in points] == [
+        ("lce_patch", "lce_patch.integrations.axolotl:LCEPatchPlugin")
+    ]
