@@ -3,7 +3,14 @@
 from typing import Any
 
 from .models import apply_fused_lce, revert_fused_lce, supported_architectures
-from .ops import FusedLinearCrossEntropy, TokenOutputs, VocabShard, fused_linear_cross_entropy, fused_linear_log_probs
+from .ops import (
+    FusedLinearCrossEntropy,
+    TokenOutputs,
+    VocabShard,
+    fused_linear_cross_entropy,
+    fused_linear_divergence,
+    fused_linear_log_probs,
+)
 
 __version__ = "0.2.0"
 
@@ -15,6 +22,7 @@ __all__ = [
     "__version__",
     "apply_fused_lce",
     "fused_linear_cross_entropy",
+    "fused_linear_divergence",
     "fused_linear_log_probs",
     "revert_fused_lce",
     "supported_architectures",

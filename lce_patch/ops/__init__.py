@@ -8,12 +8,14 @@ from .linear_cross_entropy import (
     fused_linear_log_probs,
     start_valid_token_count,
 )
+from .linear_divergence import fused_linear_divergence
 
 __all__ = [
     "FusedLinearCrossEntropy",
     "TokenOutputs",
     "VocabShard",
     "fused_linear_cross_entropy",
+    "fused_linear_divergence",
     "fused_linear_log_probs",
     "start_valid_token_count",
 ]

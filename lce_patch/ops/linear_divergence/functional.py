@@ -1,0 +1,215 @@
+"""``fused_linear_divergence``: the distillation loss between a student's and a teacher's LM heads, without
+either model's ``[N, V]`` logits in memory."""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+import torch
+
+from .chunked import DivergenceOptions, LinearDivergenceFunction, default_chunk_rows
+
+OP_NAME = "fused_linear_divergence"
+_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+_REDUCTIONS = ("mean", "sum", "none")
+
+
+def _fail(message: str) -> None:
+    raise ValueError(f"{OP_NAME}: {message}")
+
+
+def _real(name: str, value, *, positive: bool = False, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+        _fail(f"{name} must be a finite number{' or None' if allow_none else ''}, got {value!r}")
+    if positive and not value > 0:
+        _fail(f"{name} must be > 0, got {value}")
+
+
+def _check(hidden, weight, bias, teacher_hidden, teacher_weight, teacher_bias, mask) -> None:
+    tensors = {
+        "hidden": hidden,
+        "weight": weight,
+        "teacher_hidden": teacher_hidden,
+        "teacher_weight": teacher_weight,
+        "bias": bias,
+        "teacher_bias": teacher_bias,
+        "mask": mask,
+    }
+    for name, value in tensors.items():
+        optional = name in ("bias", "teacher_bias", "mask")
+        if not isinstance(value, torch.Tensor) and not (optional and value is None):
+            _fail(f"{name} must be a torch.Tensor{' or None' if optional else ''}, got {type(value).__name__}")
+    if hidden.dim() not in (2, 3):
+        _fail(f"hidden must be a [N, D] or [B, T, D] tensor, got shape {tuple(hidden.shape)}")
+    if tuple(teacher_hidden.shape[:-1]) != tuple(hidden.shape[:-1]) or teacher_hidden.dim() != hidden.dim():
+        _fail(
+            f"teacher_hidden must have hidden's leading shape {tuple(hidden.shape[:-1])} (its own hidden size "
+            f"last), got {tuple(teacher_hidden.shape)}"
+        )
+    for prefix, h, w, b in (("", hidden, weight, bias), ("teacher_", teacher_hidden, teacher_weight, teacher_bias)):
+        if w.dim() != 2:
+            _fail(f"{prefix}weight must be a [V, D] tensor, got shape {tuple(w.shape)}")
+        if w.shape[1] != h.shape[-1]:
+            _fail(f"{prefix}hidden's last dim ({h.shape[-1]}) does not match {prefix}weight's D ({w.shape[1]})")
+        if b is not None and tuple(b.shape) != (w.shape[0],):
+            _fail(f"{prefix}bias must have shape ({w.shape[0]},), got {tuple(b.shape)}")
+    if weight.shape[0] == 0:
+        _fail("weight has an empty vocabulary (V = 0)")
+    if teacher_weight.shape[0] < weight.shape[0]:
+        _fail(
+            f"the teacher's vocabulary ({teacher_weight.shape[0]} rows) is smaller than the student's "
+            f"({weight.shape[0]}): the two distributions must be over the same tokens"
+        )
+    if mask is not None:
+        if tuple(mask.shape) != tuple(hidden.shape[:-1]):
+            _fail(
+                f"mask must have shape {tuple(hidden.shape[:-1])} (hidden without its last dim), got {tuple(mask.shape)}"
+            )
+        if mask.dtype != torch.bool and (mask.dtype.is_floating_point or mask.dtype.is_complex):
+            _fail(f"mask must be a bool or integer (0/1) tensor, got {mask.dtype}")
+    present = {name: t for name, t in tensors.items() if isinstance(t, torch.Tensor)}
+    devices = {t.device for t in present.values()}
+    if len(devices) > 1:
+        _fail(f"all inputs must be on one device, got { ({n: str(t.device) for n, t in present.items()}) }")
+    for name, t in present.items():
+        if name != "mask" and t.dtype not in _FLOAT_DTYPES:
+            _fail(f"{name} has unsupported dtype {t.dtype}; expected float32, float16, bfloat16 or float64")
+    if len({weight.dtype, hidden.dtype}) > 1:
+        _fail(f"hidden ({hidden.dtype}) and weight ({weight.dtype}) must have one dtype")
+
+
+def fused_linear_divergence(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    teacher_hidden: torch.Tensor,
+    teacher_weight: torch.Tensor,
+    *,
+    mask: torch.Tensor | None = None,
+    beta: float = 0.5,
+    temperature: float = 1.0,
+    reduction: str = "mean",
+    num_items_in_batch: float | torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    teacher_bias: torch.Tensor | None = None,
+    softcap: float | None = None,
+    teacher_softcap: float | None = None,
+    logit_scale: float = 1.0,
+    teacher_logit_scale: float = 1.0,
+    backend: str = "auto",
+    chunk_size: int | None = None,
+    return_entropy: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Distillation loss between a student's and a teacher's LM heads, a chunk of tokens at a time.
+
+    Final logits: ``softcap * tanh(logit_scale * (hidden @ weight.T + bias) / softcap) / temperature`` (no
+    tanh when ``softcap`` is None), the teacher's the same with its own parameters. Per token, summed over
+    the vocabulary, the divergence is exactly TRL's ``generalized_jsd_loss``: ``beta`` 0 is KL(teacher ‖
+    student), 1 is KL(student ‖ teacher), in between the generalized Jensen-Shannon divergence through the
+    mixture ``(1 - beta) p_student + beta p_teacher``.
+
+    Args:
+        hidden: [N, D] or [B, T, D] student hidden states (float32, float16, bfloat16; float64 too).
+        weight: [V, D] student head, the dtype of ``hidden``.
+        teacher_hidden: the same leading shape as ``hidden``, with the teacher's hidden size.
+        teacher_weight: [V_t, D_t] teacher head, V_t >= V. A teacher vocabulary padded beyond the student's
+            (V_t > V) is common; its rows beyond V are left out of the teacher's softmax (the distributions are
+            over the student's V tokens). No gradient reaches the teacher, even if its tensors require one.
+        mask: bool or 0/1 integer tensor of ``hidden``'s leading shape selecting the tokens (None: all).
+        reduction: "mean" over selected tokens, "sum", or "none" (per token, fp32, 0 where unselected).
+        num_items_in_batch: divide the sum by this count instead (gradient accumulation); a number or a
+            one-element tensor.
+        backend: "auto" or "torch" (the chunked PyTorch path); "triton" is not available for this op yet.
+        chunk_size: tokens per chunk (default: a [chunk, V] fp32 buffer of about 256 MiB).
+        return_entropy: also return the student's per-token entropy at ``temperature`` (fp32, no gradient),
+            computed in the same pass.
+
+    Returns:
+        The loss (0-d fp32, or [...] per token for "none"); with ``return_entropy``, (loss, entropy [...]).
+        With no token selected the loss is 0 and every gradient is 0.
+    """
+    _check(hidden, weight, bias, teacher_hidden, teacher_weight, teacher_bias, mask)
+    _real("beta", beta)
+    if not 0 <= beta <= 1:
+        _fail(f"beta must be in [0, 1], got {beta}")
+    _real("temperature", temperature, positive=True)
+    _real("softcap", softcap, positive=True, allow_none=True)
+    _real("teacher_softcap", teacher_softcap, positive=True, allow_none=True)
+    _real("logit_scale", logit_scale)
+    _real("teacher_logit_scale", teacher_logit_scale)
+    if reduction not in _REDUCTIONS:
+        _fail(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
+    if backend not in ("auto", "torch", "triton"):
+        _fail(f"unknown backend {backend!r}; expected 'auto', 'torch' or 'triton'")
+    if backend == "triton":
+        _fail("the Triton kernels of this op are not available yet; use backend='torch' (or 'auto')")
+    if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
+        _fail(f"chunk_size must be a positive int, got {chunk_size!r}")
+    if num_items_in_batch is not None and reduction == "none":
+        _fail("num_items_in_batch needs a scalar reduction ('mean' or 'sum'), not 'none'")
+
+    leading = hidden.shape[:-1]
+    vocab = weight.shape[0]
+    hidden_2d = hidden.reshape(-1, hidden.shape[-1])
+    teacher_2d = teacher_hidden.detach().reshape(-1, teacher_hidden.shape[-1])
+    teacher_weight = teacher_weight.detach()[:vocab]
+    teacher_bias = None if teacher_bias is None else teacher_bias.detach()[:vocab]
+    num_rows = hidden_2d.shape[0]
+    compute = torch.promote_types(weight.dtype, torch.float32)
+    if mask is None:
+        row_weight = torch.ones(num_rows, dtype=compute, device=hidden.device)
+    else:
+        row_weight = (mask.reshape(-1) != 0).to(compute)
+    if reduction == "none":
+        scale = None
+    else:
+        count = row_weight.sum()
+        if num_items_in_batch is not None:
+            count = _num_items(num_items_in_batch, hidden.device, count).to(compute)
+        elif reduction == "sum":
+            count = torch.ones((), dtype=compute, device=hidden.device)
+        # no selected token (or num_items_in_batch == 0 with none): a finite 0 and zero gradients
+        scale = torch.where(count > 0, 1 / count.clamp(min=torch.finfo(compute).tiny), torch.zeros_like(count))
+    options = DivergenceOptions(
+        beta=float(beta),
+        temperature=float(temperature),
+        softcap=None if softcap is None else float(softcap),
+        teacher_softcap=None if teacher_softcap is None else float(teacher_softcap),
+        logit_scale=float(logit_scale),
+        teacher_logit_scale=float(teacher_logit_scale),
+        chunk_rows=chunk_size or default_chunk_rows(max(num_rows, 1), vocab),
+    )
+    if num_rows == 0:
+        loss = (hidden_2d.sum() * 0).float() if reduction != "none" else hidden_2d.new_zeros(0, dtype=torch.float32)
+        entropy = hidden_2d.new_zeros(0, dtype=torch.float32)
+    else:
+        loss, entropy = LinearDivergenceFunction.apply(
+            hidden_2d, weight, bias, teacher_2d, teacher_weight, teacher_bias, row_weight, scale, options
+        )
+    if reduction == "none":
+        loss = loss.reshape(leading)
+    entropy = entropy.reshape(leading)
+    entropy = entropy if entropy.dtype == torch.float64 else entropy.float()
+    return (loss, entropy) if return_entropy else loss
+
+
+def _num_items(value, device: torch.device, num_selected: torch.Tensor) -> torch.Tensor:
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1 or value.dtype == torch.bool or value.dtype.is_complex:
+            _fail(f"num_items_in_batch must be a number or a one-element real tensor, got {value!r}")
+        value = value.to(device).reshape(())
+    else:
+        _real("num_items_in_batch", value)
+        value = torch.full((), float(value), dtype=torch.float64, device=device)
+    ok = torch.isfinite(value) & ((value > 0) | ((value == 0) & (num_selected == 0)))
+    if device.type != "cuda":
+        if not bool(ok):
+            _fail(
+                f"num_items_in_batch must be finite and > 0 (0 only when no token is selected), got {value.item()} "
+                f"with {int(num_selected)} selected tokens"
+            )
+    else:
+        torch._assert_async(ok, f"{OP_NAME}: num_items_in_batch must be finite and > 0 (0 only with no token selected)")
+    return value

@@ -1,0 +1,195 @@
+"""fused_linear_divergence (torch backend) against the float64 full-logits reference and TRL's own loss."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lce_patch import fused_linear_divergence
+from lce_patch.ops.linear_divergence import naive_linear_divergence
+
+BETAS = [0.0, 0.3, 0.5, 1.0]
+N, D, D_TEACHER, V = 13, 16, 24, 37
+
+
+def make_problem(seed: int, *, vocab_teacher: int = V, bias: bool = False, leading=(N,)):
+    gen = torch.Generator().manual_seed(seed)
+    rows = int(torch.tensor(leading).prod())
+    problem = dict(
+        hidden=torch.randn(*leading, D, generator=gen, dtype=torch.float64),
+        weight=torch.randn(V, D, generator=gen, dtype=torch.float64) / 2,
+        teacher_hidden=torch.randn(*leading, D_TEACHER, generator=gen, dtype=torch.float64),
+        teacher_weight=torch.randn(vocab_teacher, D_TEACHER, generator=gen, dtype=torch.float64) / 2,
+    )
+    if bias:
+        problem["bias"] = torch.randn(V, generator=gen, dtype=torch.float64)
+        problem["teacher_bias"] = torch.randn(vocab_teacher, generator=gen, dtype=torch.float64)
+    mask = torch.rand(rows, generator=gen) > 0.3
+    mask[0] = True
+    problem["mask"] = mask.reshape(leading)
+    return problem
+
+
+def leaves(problem: dict, dtype: torch.dtype) -> dict:
+    out = {}
+    for name, value in problem.items():
+        if value.is_floating_point():
+            value = value.to(dtype)
+            if name in ("hidden", "weight", "bias"):
+                value = value.clone().requires_grad_(True)
+        out[name] = value
+    return out
+
+
+def run(fn, inputs: dict, upstream: torch.Tensor | None = None, **options):
+    loss, entropy = (
+        fn(**inputs, **options, return_entropy=True) if fn is fused_linear_divergence else fn(**inputs, **options)
+    )
+    (loss * upstream).sum().backward() if upstream is not None else loss.backward()
+    grads = {name: inputs[name].grad for name in ("hidden", "weight", "bias") if name in inputs}
+    return loss.detach(), entropy.detach(), grads
+
+
+def assert_matches(fused, reference, rtol: float, atol: float) -> None:
+    loss, entropy, grads = fused
+    ref_loss, ref_entropy, ref_grads = reference
+    torch.testing.assert_close(loss.double(), ref_loss.double(), rtol=rtol, atol=atol)
+    torch.testing.assert_close(entropy.double(), ref_entropy.double(), rtol=rtol, atol=atol)
+    for name, grad in ref_grads.items():
+        scale = max(float(grad.abs().max()), 1e-12)
+        torch.testing.assert_close(grads[name].double() / scale, grad.double() / scale, rtol=rtol, atol=atol, msg=name)
+
+
+OPTIONS = {
+    "plain": {},
+    "temperature": dict(temperature=0.7),
+    "softcaps_and_scales": dict(softcap=3.0, teacher_softcap=5.0, logit_scale=1.5, teacher_logit_scale=0.5),
+    "sum": dict(reduction="sum"),
+    "num_items": dict(num_items_in_batch=23),
+    "num_items_tensor": dict(num_items_in_batch=torch.tensor(7)),
+}
+
+
+@pytest.mark.parametrize("beta", BETAS)
+@pytest.mark.parametrize("case", list(OPTIONS))
+def test_float64_equals_the_reference(beta, case):
+    problem = make_problem(hash((beta, case)) % 1000, bias=case == "softcaps_and_scales")
+    options = dict(OPTIONS[case], beta=beta)
+    reference = run(naive_linear_divergence, leaves(problem, torch.float64), **options)
+    fused = run(fused_linear_divergence, leaves(problem, torch.float64), chunk_size=4, **options)
+    assert_matches(fused, reference, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("beta", BETAS)
+def test_per_token_loss_with_uneven_upstream_gradients(beta):
+    # reduction="none" recomputes each chunk in the backward with every token's own upstream gradient
+    problem = make_problem(5)
+    upstream = torch.randn(N, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    reference = run(naive_linear_divergence, leaves(problem, torch.float64), upstream, beta=beta, reduction="none")
+    fused = run(
+        fused_linear_divergence, leaves(problem, torch.float64), upstream, beta=beta, reduction="none", chunk_size=5
+    )
+    assert_matches(fused, reference, rtol=1e-10, atol=1e-12)
+    assert torch.all(fused[0][~problem["mask"]] == 0)
+
+
+# fp32: logits and softmaxes in fp32 (rounding ~1e-7 relative, amplified by V-term sums);
+# fp16 / bf16: inputs rounded to 11 / 8 mantissa bits before the GEMMs, on the reference too.
+TOLERANCES = {torch.float32: 2e-5, torch.float16: 2e-2, torch.bfloat16: 8e-2}
+
+
+@pytest.mark.parametrize("dtype", list(TOLERANCES), ids=str)
+@pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
+def test_low_precision_inputs_against_float64_of_the_same_inputs(dtype, beta):
+    problem = make_problem(11, bias=True)
+    rounded = {k: (v.to(dtype).double() if v.is_floating_point() else v) for k, v in problem.items()}
+    reference = run(naive_linear_divergence, leaves(rounded, torch.float64), beta=beta, softcap=4.0)
+    fused = run(fused_linear_divergence, leaves(problem, dtype), beta=beta, softcap=4.0, chunk_size=6)
+    assert fused[0].dtype == torch.float32 and fused[1].dtype == torch.float32
+    assert all(grad.dtype == dtype for grad in fused[2].values())
+    tol = TOLERANCES[dtype]
+    assert_matches(fused, reference, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("beta", BETAS)
+def test_equals_trl_generalized_jsd_loss(beta):
+    gkd = pytest.importorskip("trl.experimental.gkd.gkd_trainer")
+    problem = make_problem(3, leading=(2, 7))
+    labels = torch.where(problem["mask"], 1, -100)
+    student = problem["hidden"] @ problem["weight"].T
+    teacher = problem["teacher_hidden"] @ problem["teacher_weight"].T
+    expected = gkd.GKDTrainer.generalized_jsd_loss(student, teacher, labels=labels, beta=beta, temperature=0.9)
+    loss = fused_linear_divergence(**problem, beta=beta, temperature=0.9)
+    torch.testing.assert_close(loss, expected, rtol=1e-10, atol=1e-12)
+
+
+def test_padded_teacher_vocabulary_uses_the_shared_tokens():
+    problem = make_problem(7, vocab_teacher=V + 9, bias=True)
+    sliced = dict(problem, teacher_weight=problem["teacher_weight"][:V], teacher_bias=problem["teacher_bias"][:V])
+    assert torch.equal(fused_linear_divergence(**problem), fused_linear_divergence(**sliced))
+    with pytest.raises(ValueError, match="teacher's vocabulary .* smaller than the student's"):
+        fused_linear_divergence(**dict(problem, teacher_weight=problem["teacher_weight"][: V - 1], teacher_bias=None))
+
+
+def test_no_gradient_reaches_the_teacher():
+    problem = leaves(make_problem(2), torch.float32)
+    problem["teacher_hidden"].requires_grad_(True)
+    problem["teacher_weight"].requires_grad_(True)
+    fused_linear_divergence(**problem).backward()
+    assert problem["teacher_hidden"].grad is None and problem["teacher_weight"].grad is None
+    assert problem["hidden"].grad is not None
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_no_selected_token_gives_zero_and_zero_gradients(reduction):
+    problem = leaves(make_problem(4), torch.float32)
+    problem["mask"] = torch.zeros(N, dtype=torch.int64)
+    loss = fused_linear_divergence(**problem, reduction=reduction)
+    loss.sum().backward()
+    assert torch.all(loss == 0)
+    assert torch.all(problem["hidden"].grad == 0) and torch.all(problem["weight"].grad == 0)
+    if reduction != "none":
+        zero_items = fused_linear_divergence(**problem, reduction=reduction, num_items_in_batch=0)
+        assert zero_items.item() == 0
+
+
+def test_views_and_batched_layouts():
+    problem = make_problem(8, leading=(3, 5))
+    contiguous = fused_linear_divergence(**problem, beta=0.4)
+    # a transposed view of the same [3, 5, D] hidden, and a non-contiguous weight
+    viewed = dict(
+        problem,
+        hidden=problem["hidden"].transpose(0, 1).contiguous().transpose(0, 1),
+        weight=problem["weight"].T.contiguous().T,
+        teacher_hidden=problem["teacher_hidden"][:, :, :].transpose(0, 1).contiguous().transpose(0, 1),
+    )
+    assert not viewed["hidden"].is_contiguous() and not viewed["weight"].is_contiguous()
+    torch.testing.assert_close(fused_linear_divergence(**viewed, beta=0.4), contiguous, rtol=1e-12, atol=0)
+    flat = {
+        k: v.reshape(15, -1).squeeze(-1) if k in ("hidden", "teacher_hidden", "mask") else v for k, v in problem.items()
+    }
+    flat["mask"] = problem["mask"].reshape(15)
+    torch.testing.assert_close(fused_linear_divergence(**flat, beta=0.4), contiguous, rtol=1e-12, atol=0)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (dict(beta=1.5), "beta must be in"),
+        (dict(temperature=0.0), "temperature must be > 0"),
+        (dict(reduction="batchmean"), "reduction must be one of"),
+        (dict(backend="triton"), "Triton kernels of this op are not available"),
+        (dict(chunk_size=0), "chunk_size must be a positive int"),
+        (dict(mask=torch.ones(N)), "mask must be a bool or integer"),
+        (dict(mask=torch.ones(N + 1, dtype=torch.bool)), "mask must have shape"),
+        (dict(teacher_hidden=torch.randn(N + 1, D_TEACHER)), "teacher_hidden must have"),
+        (dict(teacher_weight=torch.randn(V, D_TEACHER + 1)), "teacher_hidden's last dim"),
+        (dict(reduction="none", num_items_in_batch=3), "needs a scalar reduction"),
+        (dict(num_items_in_batch=-1), "num_items_in_batch must be finite and > 0"),
+        (dict(weight=torch.randn(V, D, dtype=torch.float16)), "must have one dtype"),
+    ],
+)
+def test_bad_input_is_refused_with_a_clear_error(change, message):
+    problem = {k: v.float() if v.is_floating_point() else v for k, v in make_problem(9).items()}
+    with pytest.raises(ValueError, match=message):
+        fused_linear_divergence(**{**problem, **change})
