@@ -15,6 +15,9 @@ them; ``return_logits_in_eval=False`` never does, and a trainer that needs them 
 TRL trainers that score a reference model inside ``__init__`` (DPO and KTO with
 ``precompute_ref_log_probs=True``) have that pass served too: the callback wraps the trainer's
 ``_precompute_ref_logps`` at the end of ``Trainer.__init__``, on that trainer instance only.
+
+TRL's ``DistillationTrainer`` computes its loss with :func:`lce_patch.fused_linear_divergence` (see
+``trl_distillation.py``).
 """
 
 from __future__ import annotations
@@ -168,6 +171,10 @@ class FusedLCECallback(TrainerCallback):
 
             setattr(precompute_ref_logps, _WRAPPED_ATTR, True)
             trainer._precompute_ref_logps = precompute_ref_logps
+        if hasattr(trainer, "_compute_loss"):
+            from .trl_distillation import serve_distillation_trainer
+
+            serve_distillation_trainer(trainer, self.options)  # TRL's DistillationTrainer: the fused divergence
 
     def on_init_end(self, args, state, control, model=None, **kwargs):
         self.check_args(args)

@@ -79,6 +79,10 @@ def _check(hidden, weight, bias, teacher_hidden, teacher_weight, teacher_bias, m
             _fail(f"{name} has unsupported dtype {t.dtype}; expected float32, float16, bfloat16 or float64")
     if len({weight.dtype, hidden.dtype}) > 1:
         _fail(f"hidden ({hidden.dtype}) and weight ({weight.dtype}) must have one dtype")
+    if len({teacher_weight.dtype, teacher_hidden.dtype}) > 1:
+        _fail(
+            f"teacher_hidden ({teacher_hidden.dtype}) and teacher_weight ({teacher_weight.dtype}) must have one dtype"
+        )
 
 
 def fused_linear_divergence(

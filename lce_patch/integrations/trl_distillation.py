@@ -1,0 +1,190 @@
+"""TRL's ``DistillationTrainer`` served by :func:`lce_patch.fused_linear_divergence`.
+
+TRL 1.16's ``DistillationTrainer._compute_loss`` runs both backbones, then calls the module function
+``trl.trainer.distillation_trainer._chunked_divergence_loss(student_hidden_states, teacher_hidden_states,
+student_lm_head_weight, teacher_lm_head_weight, completion_mask, beta, ...)``, which returns the loss, the sum
+of the student's per-token entropy and the number of valid tokens. :func:`serve_distillation_trainer` wraps
+``_compute_loss`` on one trainer instance; while that call runs (in that thread), the function answers through
+lce_patch's op with the same arguments and results.
+
+The module function is looked up as a global by TRL's method, so it is replaced, once, by a dispatcher that
+calls TRL's own function in every other call (other trainers, other threads): nothing changes for a trainer
+that is not served. :func:`unserve_distillation_trainer` unwraps the instance; the dispatcher is removed with
+the last served trainer. Detection is by feature: the function's parameter names must be the known ones, else
+the trainer is left to TRL's kernel with a warning.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import threading
+import warnings
+import weakref
+from typing import Any
+
+import torch
+
+from ..ops import fused_linear_divergence
+
+__all__ = ["serve_distillation_trainer", "unserve_distillation_trainer"]
+
+_MODULE = "trl.trainer.distillation_trainer"
+_FUNCTION = "_chunked_divergence_loss"
+_KNOWN_PARAMETERS = (
+    "student_hidden_states",
+    "teacher_hidden_states",
+    "student_lm_head_weight",
+    "teacher_lm_head_weight",
+    "completion_mask",
+    "beta",
+    "num_items_in_batch",
+    "student_lm_head_bias",
+    "teacher_lm_head_bias",
+    "student_logit_scale",
+    "teacher_logit_scale",
+    "student_final_logit_softcapping",
+    "teacher_final_logit_softcapping",
+    "temperature",
+)
+_SERVED_ATTR = "__lce_patch_distillation__"
+_state = threading.local()  # .options: the op options of the served call running in this thread
+_lock = threading.Lock()
+_served: weakref.WeakSet = weakref.WeakSet()  # the trainers served now
+
+
+def _full(tensor: torch.Tensor | None) -> torch.Tensor | None:
+    if tensor is None:
+        return None
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover (torch built without distributed)
+        return tensor
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor  # an FSDP2 shard, gathered once
+
+
+def _fused_divergence_loss(
+    student_hidden_states: torch.Tensor,
+    teacher_hidden_states: torch.Tensor,
+    student_lm_head_weight: torch.Tensor,
+    teacher_lm_head_weight: torch.Tensor,
+    completion_mask: torch.Tensor,
+    beta: float,
+    num_items_in_batch: torch.Tensor | int | None = None,
+    student_lm_head_bias: torch.Tensor | None = None,
+    teacher_lm_head_bias: torch.Tensor | None = None,
+    student_logit_scale: float = 1.0,
+    teacher_logit_scale: float = 1.0,
+    student_final_logit_softcapping: float | None = None,
+    teacher_final_logit_softcapping: float | None = None,
+    temperature: float = 1.0,
+    *,
+    options: dict[str, Any],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """TRL's function's contract: (loss, sum of the valid tokens' student entropy, number of valid tokens)."""
+    weight, bias = _full(student_lm_head_weight), _full(student_lm_head_bias)
+    teacher_weight, teacher_bias = _full(teacher_lm_head_weight), _full(teacher_lm_head_bias)
+    hidden = student_hidden_states.to(weight.dtype)  # an upcast head (mixed precision) keeps its precision
+    teacher_weight = teacher_weight.to(teacher_hidden_states.dtype)  # the fp32 master copy under mixed precision
+    if teacher_bias is not None:
+        teacher_bias = teacher_bias.to(teacher_hidden_states.dtype)
+    loss, entropy = fused_linear_divergence(
+        hidden,
+        weight,
+        teacher_hidden_states,
+        teacher_weight,
+        mask=completion_mask,
+        beta=float(beta),
+        temperature=float(temperature),
+        num_items_in_batch=num_items_in_batch,
+        bias=bias,
+        teacher_bias=teacher_bias,
+        softcap=student_final_logit_softcapping,
+        teacher_softcap=teacher_final_logit_softcapping,
+        logit_scale=float(student_logit_scale),
+        teacher_logit_scale=float(teacher_logit_scale),
+        return_entropy=True,
+        **options,
+    )
+    valid = completion_mask != 0
+    entropy_sum = torch.where(valid, entropy, torch.zeros((), dtype=entropy.dtype, device=entropy.device)).sum()
+    return loss, entropy_sum, valid.sum()
+
+
+def _dispatcher(original):
+    @functools.wraps(original)
+    def chunked_divergence_loss(*args, **kwargs):
+        options = getattr(_state, "options", None)
+        if options is None:
+            return original(*args, **kwargs)
+        return _fused_divergence_loss(*args, **kwargs, options=options)
+
+    chunked_divergence_loss.__lce_patch_original__ = original
+    return chunked_divergence_loss
+
+
+def _module():
+    import importlib
+
+    return importlib.import_module(_MODULE)
+
+
+def serve_distillation_trainer(trainer: Any, options: dict[str, Any]) -> bool:
+    """Serve ``trainer`` (a TRL ``DistillationTrainer``) with the fused op; returns whether it is served.
+
+    ``options``: ``chunk_size`` and ``backend`` of :func:`lce_patch.fused_linear_divergence` (others ignored).
+    """
+    method = getattr(trainer, "_compute_loss", None)
+    if method is None or getattr(method, _SERVED_ATTR, False):
+        return getattr(method, _SERVED_ATTR, False)
+    try:
+        module = _module()
+    except ImportError:
+        return False
+    if not isinstance(trainer, module.DistillationTrainer):
+        return False
+    current = getattr(module, _FUNCTION, None)
+    original = getattr(current, "__lce_patch_original__", current)
+    names = tuple(inspect.signature(original).parameters) if callable(original) else ()
+    if names != _KNOWN_PARAMETERS:
+        warnings.warn(
+            f"lce_patch: this TRL's {_MODULE}.{_FUNCTION} has the parameters {names}, not the known ones; "
+            "the DistillationTrainer keeps TRL's own divergence kernel.",
+            stacklevel=2,
+        )
+        return False
+    op_options = {key: options[key] for key in ("chunk_size",) if options.get(key) is not None}
+    if options.get("backend") == "torch":
+        op_options["backend"] = "torch"
+
+    @functools.wraps(method)
+    def compute_loss(*args, **kwargs):
+        previous = getattr(_state, "options", None)
+        _state.options = op_options
+        try:
+            return method(*args, **kwargs)
+        finally:
+            _state.options = previous
+
+    setattr(compute_loss, _SERVED_ATTR, True)
+    with _lock:
+        if current is original:
+            setattr(module, _FUNCTION, _dispatcher(original))
+        _served.add(trainer)
+    trainer._compute_loss = compute_loss
+    return True
+
+
+def unserve_distillation_trainer(trainer: Any) -> bool:
+    """Undo :func:`serve_distillation_trainer` on ``trainer``; returns whether it was served."""
+    method = vars(trainer).get("_compute_loss")
+    if not getattr(method, _SERVED_ATTR, False):
+        return False
+    del trainer._compute_loss
+    with _lock:
+        _served.discard(trainer)
+        module = _module()
+        current = getattr(module, _FUNCTION)
+        if not _served and hasattr(current, "__lce_patch_original__"):
+            setattr(module, _FUNCTION, current.__lce_patch_original__)
+    return True

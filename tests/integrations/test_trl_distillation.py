@@ -1,0 +1,119 @@
+"""TRL's DistillationTrainer served by fused_linear_divergence through FusedLCECallback (CPU, float32)."""
+
+from __future__ import annotations
+
+import gc
+import importlib
+
+import pytest
+import torch
+
+trl = pytest.importorskip("trl")
+datasets = pytest.importorskip("datasets")
+distillation = pytest.importorskip("trl.trainer.distillation_trainer")
+
+from transformers import AutoModelForCausalLM, Gemma2Config, LlamaConfig  # noqa: E402
+
+from lce_patch import FusedLCECallback  # noqa: E402
+from lce_patch.integrations import trl_distillation  # noqa: E402
+from tests.integrations.trl_helpers import VOCAB, make_tokenizer  # noqa: E402
+
+METRICS = ("loss", "grad_norm", "entropy")
+
+
+def _model(kind: str, hidden: int, seed: int):
+    torch.manual_seed(seed)
+    common = dict(
+        vocab_size=VOCAB,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        eos_token_id=1,
+        pad_token_id=0,
+        bos_token_id=2,
+    )
+    if kind == "gemma2":
+        config = Gemma2Config(head_dim=8, final_logit_softcapping=3.0, sliding_window=16, **common)
+    else:
+        config = LlamaConfig(tie_word_embeddings=False, **common)
+    return AutoModelForCausalLM.from_config(config)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return make_tokenizer()
+
+
+def _train(tokenizer, callbacks, student_kind="llama", beta=0.5, tmp_path=None, **config):
+    prompts = datasets.Dataset.from_list(
+        [{"prompt": " ".join(f"w{4 + (i * 7 + j) % 50}" for j in range(6))} for i in range(8)]
+    )
+    args = trl.DistillationConfig(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=4,
+        max_steps=2,
+        max_completion_length=12,
+        logging_steps=1,
+        report_to=[],
+        use_cpu=True,
+        save_strategy="no",
+        seed=0,
+        beta=beta,
+        learning_rate=1e-2,
+        disable_tqdm=True,
+        **config,
+    )
+    trainer = trl.DistillationTrainer(
+        model=_model(student_kind, 32, 0),
+        teacher_model=_model(student_kind, 48, 1),  # a wider teacher
+        args=args,
+        train_dataset=prompts,
+        processing_class=tokenizer,
+        callbacks=callbacks,
+    )
+    trainer.train()
+    logs = [entry for entry in trainer.state.log_history if "loss" in entry]
+    return trainer, logs
+
+
+@pytest.fixture
+def op_calls(monkeypatch):
+    calls = []
+    original = trl_distillation.fused_linear_divergence
+
+    def counting(*args, **kwargs):
+        calls.append(kwargs.get("num_items_in_batch"))
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(trl_distillation, "fused_linear_divergence", counting)
+    return calls
+
+
+@pytest.mark.parametrize(("student_kind", "beta"), [("llama", 0.5), ("llama", 0.0), ("llama", 1.0), ("gemma2", 0.5)])
+def test_logged_metrics_equal_trl_kernel(tokenizer, op_calls, tmp_path, student_kind, beta):
+    _, reference = _train(tokenizer, [], student_kind, beta, tmp_path=tmp_path / "trl")
+    assert not op_calls
+    trainer, logs = _train(tokenizer, [FusedLCECallback()], student_kind, beta, tmp_path=tmp_path / "fused")
+    assert len(op_calls) == 2  # one call per step (batch of 4, no gradient accumulation)
+    assert len(logs) == len(reference) == 2
+    for ours, theirs in zip(logs, reference):
+        for name in METRICS:
+            assert ours[name] == pytest.approx(theirs[name], rel=1e-4, abs=1e-7), name
+        assert ours["completions/mean_length"] == theirs["completions/mean_length"]  # same generations
+    assert reference[0]["loss"] > 0
+
+
+def test_serving_is_per_trainer_and_reversible(tokenizer, tmp_path):
+    module = importlib.import_module("trl.trainer.distillation_trainer")
+    installed = module._chunked_divergence_loss  # the dispatcher if a trainer of another test is still alive
+    original = getattr(installed, "__lce_patch_original__", installed)
+    served, _ = _train(tokenizer, [FusedLCECallback()], tmp_path=tmp_path / "a")
+    plain, _ = _train(tokenizer, [], tmp_path=tmp_path / "b")
+    assert "_compute_loss" in vars(served) and "_compute_loss" not in vars(plain)
+    assert module._chunked_divergence_loss is not original  # the dispatcher, TRL's own for the plain trainer
+    gc.collect()  # the served trainers of other tests
+    assert trl_distillation.unserve_distillation_trainer(served)
+    assert module._chunked_divergence_loss is original and "_compute_loss" not in vars(served)
