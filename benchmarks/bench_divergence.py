@@ -1,0 +1,165 @@
+"""The distillation loss side by side: lce_patch's fused_linear_divergence, TRL's chunked divergence kernel,
+and the unfused full-logits loss, forward+backward (dh and dW of the student), bf16, on one GPU.
+
+Per shape (student <- teacher, N tokens, every token selected, beta as given): median time of forward+backward
+over ``--reps`` runs after warm-up, peak memory allocated above the inputs during one, the loss, and the GEMM
+floor of the same run (the teacher's logits GEMM plus the student's logits, dh and dW GEMMs at full size,
+cuBLAS, bf16).
+
+    python3 benchmarks/bench_divergence.py [--shapes qwen1.5b-7b,llama1b-8b] [--betas 0.5] [--methods ...]
+    python3 benchmarks/bench_divergence.py --tiny     # tiny shapes on the CPU (smoke test of the script)
+
+TRL's kernel comes from the trl wheel (``trl.kernels.chunked_divergence``); as in bench_lce.py a stand-in for
+``trl.trainer.utils`` is used when that module cannot be imported (no ``datasets`` on the GPU machine).
+JSON to --out (default $OUT/bench_divergence.json or runs/bench_divergence.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).parent))
+
+# name -> (student D, teacher D, V, N)
+SHAPES = {
+    "qwen1.5b-7b": (1536, 3584, 151936, 4096),
+    "qwen1.5b-7b-16k": (1536, 3584, 151936, 16384),
+    "llama1b-8b": (2048, 4096, 128256, 8192),
+    "tiny": (32, 48, 500, 64),
+}
+METHODS = ("lce_patch", "trl", "unfused")
+
+
+def build(method: str, h, w, ht, wt, beta: float):
+    """A zero-argument callable returning the scalar loss."""
+    if method == "lce_patch":
+        from lce_patch import fused_linear_divergence
+
+        return lambda: fused_linear_divergence(h, w, ht, wt, beta=beta)
+    if method == "unfused":
+        from lce_patch.ops.linear_divergence import naive_linear_divergence
+
+        return lambda: naive_linear_divergence(h, w, ht, wt, beta=beta)[0]
+    if method == "trl":
+        from bench_lce import _trl_backward_import
+
+        _trl_backward_import()
+        from trl.kernels.chunked_divergence import ChunkedDivergenceFunction
+
+        def trl_loss():
+            per_token, _ = ChunkedDivergenceFunction.apply(h, w, None, ht, wt, None, beta, 1.0, 1.0, None, 1.0, None)
+            return per_token.sum() / per_token.shape[0]
+
+        return trl_loss
+    raise ValueError(method)
+
+
+def measure(fn, params, reps: int, device) -> dict:
+    import torch
+
+    def step():
+        for p in params:
+            p.grad = None
+        loss = fn()
+        loss.backward()
+        return loss
+
+    loss = step()  # warm-up (and Triton compilation)
+    step()
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    sync()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated() if device.type == "cuda" else 0
+    for p in params:
+        p.grad = None
+    step()
+    sync()
+    peak = (torch.cuda.max_memory_allocated() - base) / 2**20 if device.type == "cuda" else None
+    times = []
+    for _ in range(reps):
+        sync()
+        start = time.perf_counter()
+        step()
+        sync()
+        times.append((time.perf_counter() - start) * 1e3)
+    return dict(ms=statistics.median(times), peak_mib_above_inputs=peak, loss=loss.item())
+
+
+def gemm_floor(h, w, ht, wt, reps: int, device) -> float:
+    import torch
+
+    logits_grad = torch.empty(h.shape[0], w.shape[0], dtype=h.dtype, device=device)
+
+    def gemms():
+        ht @ wt.T
+        h @ w.T
+        logits_grad @ w
+        logits_grad.T @ h
+
+    gemms()
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    times = []
+    for _ in range(reps):
+        sync()
+        start = time.perf_counter()
+        gemms()
+        sync()
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shapes", default="qwen1.5b-7b,llama1b-8b", help=f"of {sorted(SHAPES)}")
+    parser.add_argument("--betas", default="0.5")
+    parser.add_argument("--methods", default=",".join(METHODS))
+    parser.add_argument("--reps", type=int, default=10)
+    parser.add_argument("--tiny", action="store_true", help="the tiny shape on the CPU, float32")
+    default_out = os.path.join(os.environ.get("OUT", str(REPO / "runs")), "bench_divergence.json")
+    parser.add_argument("--out", default=default_out)
+    args = parser.parse_args()
+
+    import torch
+    from bench_common import env_info, free
+
+    device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    shapes = ["tiny"] if args.tiny else args.shapes.split(",")
+    results = []
+    for name in shapes:
+        dim, teacher_dim, vocab, tokens = SHAPES[name]
+        gen = torch.Generator(device=device).manual_seed(0)
+        h = (torch.randn(tokens, dim, device=device, generator=gen) / 2).to(dtype).requires_grad_(True)
+        w = (torch.randn(vocab, dim, device=device, generator=gen) / dim**0.5).to(dtype).requires_grad_(True)
+        ht = (torch.randn(tokens, teacher_dim, device=device, generator=gen) / 2).to(dtype)
+        wt = (torch.randn(vocab, teacher_dim, device=device, generator=gen) / teacher_dim**0.5).to(dtype)
+        floor = gemm_floor(h.detach(), w.detach(), ht, wt, args.reps, device)
+        for beta in (float(b) for b in args.betas.split(",")):
+            row = dict(shape=name, D=dim, D_teacher=teacher_dim, V=vocab, N=tokens, beta=beta, gemm_floor_ms=floor)
+            for method in args.methods.split(","):
+                try:
+                    row[method] = measure(build(method, h, w, ht, wt, beta), [h, w], args.reps, device)
+                    row[method]["pct_of_floor"] = 100 * floor / row[method]["ms"]
+                except Exception as exc:  # out of memory, a peer missing: recorded, the run goes on
+                    row[method] = dict(error=f"{type(exc).__name__}: {str(exc)[:200]}")
+                free()
+                print(name, beta, method, row[method], flush=True)
+            results.append(row)
+        del h, w, ht, wt
+        free()
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(dict(env=env_info(), results=results), indent=1))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
