@@ -23,6 +23,8 @@ SCRIPTS = [
     "multi_gpu_check.py",
     "tp_check.py",
     "qlora_check.py",
+    "axolotl_bench.py",
+    "bench_divergence.py",
     "plot_results.py",
     "research/probe_gemm_epilogue.py",
     "research/schedule_bound.py",
@@ -118,6 +120,17 @@ def test_bench_trl_tiny_on_cpu(trainer, tmp_path):
     (record,) = [json.loads(p.read_text()) for p in tmp_path.glob("bench_trl_*.json")]
     check = record["results"]["check"]
     assert check["loss_abs_diff"] < 1e-5 and check["worst_grad_rel_l2"] < 1e-4  # the two heads agree
+
+
+def test_bench_divergence_tiny_on_cpu(tmp_path):
+    out = tmp_path / "divergence.json"
+    result = _run(["bench_divergence.py", "--tiny", "--reps", "2", "--out", str(out)], tmp_path)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
+    (row,) = json.loads(out.read_text())["results"]
+    losses = {method: row[method].get("loss") for method in ("lce_patch", "trl", "unfused")}
+    assert losses["lce_patch"] == pytest.approx(losses["unfused"], rel=1e-5), row
+    if losses["trl"] is not None:  # TRL's kernel on the CPU (its torch path), when trl imports
+        assert losses["trl"] == pytest.approx(losses["unfused"], rel=1e-5), row
 
 
 def test_qlora_check_tiny_on_cpu(tmp_path):
