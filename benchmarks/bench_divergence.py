@@ -1,5 +1,6 @@
 """The distillation loss side by side: lce_patch's fused_linear_divergence, TRL's chunked divergence kernel,
-and the unfused full-logits loss, forward+backward (dh and dW of the student), bf16, on one GPU.
+Liger-Kernel's LigerFusedLinearJSD, the unfused full-logits loss and its torch.compile, forward+backward
+(dh and dW of the student), bf16, on one GPU.
 
 Per shape (student <- teacher, N tokens, every token selected, beta as given): median time of forward+backward
 over ``--reps`` runs after warm-up, peak memory allocated above the inputs during one, the loss, and the GEMM
@@ -32,22 +33,38 @@ sys.path.insert(0, str(Path(__file__).parent))
 SHAPES = {
     "qwen1.5b-7b": (1536, 3584, 151936, 4096),
     "qwen1.5b-7b-16k": (1536, 3584, 151936, 16384),
+    "qwen7b-7b": (3584, 3584, 151936, 4096),
     "llama1b-8b": (2048, 4096, 128256, 8192),
     "tiny": (32, 48, 500, 64),
 }
-METHODS = ("lce_patch", "trl", "unfused")
+METHODS = ("lce_patch", "trl", "liger", "unfused", "compile")
 
 
 def build(method: str, h, w, ht, wt, beta: float):
-    """A zero-argument callable returning the scalar loss."""
-    if method == "lce_patch":
+    """A zero-argument callable returning the scalar loss. ``lce_patch:<rows>`` sets the chunk size,
+    ``lce_patch_torch`` runs the op's PyTorch backend."""
+    if method.startswith("lce_patch"):
         from lce_patch import fused_linear_divergence
 
-        return lambda: fused_linear_divergence(h, w, ht, wt, beta=beta)
-    if method == "unfused":
+        name, _, rows = method.partition(":")
+        options = dict(backend="torch" if name == "lce_patch_torch" else "auto")
+        if rows:
+            options["chunk_size"] = int(rows)
+        return lambda: fused_linear_divergence(h, w, ht, wt, beta=beta, **options)
+    if method in ("unfused", "compile"):
+        import torch
+
         from lce_patch.ops.linear_divergence import naive_linear_divergence
 
-        return lambda: naive_linear_divergence(h, w, ht, wt, beta=beta)[0]
+        def unfused():
+            return naive_linear_divergence(h, w, ht, wt, beta=beta)[0]
+
+        return torch.compile(unfused) if method == "compile" else unfused
+    if method == "liger":
+        from liger_kernel.transformers import LigerFusedLinearJSD
+
+        liger = LigerFusedLinearJSD(jsd_beta=beta, temperature=1.0)
+        return lambda: liger(h, w, ht, wt, None)
     if method == "trl":
         from bench_lce import _trl_backward_import
 
@@ -94,6 +111,29 @@ def measure(fn, params, reps: int, device) -> dict:
     return dict(ms=statistics.median(times), peak_mib_above_inputs=peak, loss=loss.item())
 
 
+def errors(method: str, h, w, ht, wt, beta: float) -> dict:
+    """Loss, dh and dW of ``method`` against an fp32 full-logits reference of the same bf16 inputs:
+    relative error of the loss, max |error| / max |reference| of the gradients."""
+
+    from lce_patch.ops.linear_divergence import naive_linear_divergence
+
+    def run(fn, hidden, weight):
+        hidden.grad = weight.grad = None
+        loss = fn(hidden, weight)
+        loss.backward()
+        return loss.detach().double(), hidden.grad.double(), weight.grad.double()
+
+    h32 = h.detach().float().requires_grad_(True)
+    w32 = w.detach().float().requires_grad_(True)
+    ref = run(lambda a, b: naive_linear_divergence(a, b, ht.float(), wt.float(), beta=beta)[0], h32, w32)
+    del h32, w32
+    got = run(lambda a, b: build(method, a, b, ht, wt, beta)(), h, w)
+    out = dict(loss_rel=float((got[0] - ref[0]).abs() / ref[0].abs()))
+    for name, g, r in (("dh", got[1], ref[1]), ("dW", got[2], ref[2])):
+        out[f"{name}_rel_max"] = float((g - r).abs().max() / r.abs().max())
+    return out
+
+
 def gemm_floor(h, w, ht, wt, reps: int, device) -> float:
     import torch
 
@@ -124,6 +164,11 @@ def main() -> None:
     parser.add_argument("--methods", default=",".join(METHODS))
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--tiny", action="store_true", help="the tiny shape on the CPU, float32")
+    parser.add_argument(
+        "--errors",
+        default="",
+        help="comma-separated methods whose loss/dh/dW error against an fp32 reference is measured per shape and beta",
+    )
     default_out = os.path.join(os.environ.get("OUT", str(REPO / "runs")), "bench_divergence.json")
     parser.add_argument("--out", default=default_out)
     args = parser.parse_args()
@@ -153,6 +198,13 @@ def main() -> None:
                     row[method] = dict(error=f"{type(exc).__name__}: {str(exc)[:200]}")
                 free()
                 print(name, beta, method, row[method], flush=True)
+            for method in filter(None, args.errors.split(",")):
+                try:
+                    row[method]["errors_vs_fp32"] = errors(method, h, w, ht, wt, beta)
+                except Exception as exc:
+                    row[method]["errors_vs_fp32"] = dict(error=f"{type(exc).__name__}: {str(exc)[:200]}")
+                free()
+                print(name, beta, method, "errors", row[method]["errors_vs_fp32"], flush=True)
             results.append(row)
         del h, w, ht, wt
         free()

@@ -1,4 +1,8 @@
-"""fused_linear_divergence (torch backend) against the float64 full-logits reference and TRL's own loss."""
+"""fused_linear_divergence against the float64 full-logits reference and TRL's own loss.
+
+The torch backend runs in float64 here; the Triton kernels run under TRITON_INTERPRET=1 on the CPU (set in
+conftest.py) in fp32, fp16 and bf16 (the kernel does no tl.dot, so bf16 is right in the interpreter too).
+"""
 
 from __future__ import annotations
 
@@ -81,15 +85,34 @@ def test_float64_equals_the_reference(beta, case):
 
 
 @pytest.mark.parametrize("beta", BETAS)
-def test_per_token_loss_with_uneven_upstream_gradients(beta):
+@pytest.mark.parametrize("case", list(OPTIONS))
+def test_triton_kernels_equal_the_reference(beta, case):
+    # fp32 logits and softmaxes, as in the low-precision test's fp32 row below
+    problem = make_problem(hash((beta, case, "triton")) % 1000, bias=case == "softcaps_and_scales")
+    options = dict(OPTIONS[case], beta=beta)
+    reference = run(naive_linear_divergence, leaves(problem, torch.float64), **options)
+    fused = run(fused_linear_divergence, leaves(problem, torch.float32), backend="triton", chunk_size=4, **options)
+    assert_matches(fused, reference, rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("beta", BETAS)
+def test_per_token_loss_with_uneven_upstream_gradients(beta, backend):
     # reduction="none" recomputes each chunk in the backward with every token's own upstream gradient
     problem = make_problem(5)
     upstream = torch.randn(N, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
     reference = run(naive_linear_divergence, leaves(problem, torch.float64), upstream, beta=beta, reduction="none")
+    dtype, rtol, atol = (torch.float64, 1e-10, 1e-12) if backend == "torch" else (torch.float32, 2e-5, 2e-5)
     fused = run(
-        fused_linear_divergence, leaves(problem, torch.float64), upstream, beta=beta, reduction="none", chunk_size=5
+        fused_linear_divergence,
+        leaves(problem, dtype),
+        upstream.to(dtype),
+        beta=beta,
+        reduction="none",
+        chunk_size=5,
+        backend=backend,
     )
-    assert_matches(fused, reference, rtol=1e-10, atol=1e-12)
+    assert_matches(fused, reference, rtol=rtol, atol=atol)
     assert torch.all(fused[0][~problem["mask"]] == 0)
 
 
@@ -98,13 +121,14 @@ def test_per_token_loss_with_uneven_upstream_gradients(beta):
 TOLERANCES = {torch.float32: 2e-5, torch.float16: 2e-2, torch.bfloat16: 8e-2}
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
 @pytest.mark.parametrize("dtype", list(TOLERANCES), ids=str)
 @pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
-def test_low_precision_inputs_against_float64_of_the_same_inputs(dtype, beta):
+def test_low_precision_inputs_against_float64_of_the_same_inputs(dtype, beta, backend):
     problem = make_problem(11, bias=True)
     rounded = {k: (v.to(dtype).double() if v.is_floating_point() else v) for k, v in problem.items()}
     reference = run(naive_linear_divergence, leaves(rounded, torch.float64), beta=beta, softcap=4.0)
-    fused = run(fused_linear_divergence, leaves(problem, dtype), beta=beta, softcap=4.0, chunk_size=6)
+    fused = run(fused_linear_divergence, leaves(problem, dtype), beta=beta, softcap=4.0, chunk_size=6, backend=backend)
     assert fused[0].dtype == torch.float32 and fused[1].dtype == torch.float32
     assert all(grad.dtype == dtype for grad in fused[2].values())
     tol = TOLERANCES[dtype]
@@ -140,36 +164,54 @@ def test_no_gradient_reaches_the_teacher():
     assert problem["hidden"].grad is not None
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
-def test_no_selected_token_gives_zero_and_zero_gradients(reduction):
+def test_no_selected_token_gives_zero_and_zero_gradients(reduction, backend):
     problem = leaves(make_problem(4), torch.float32)
     problem["mask"] = torch.zeros(N, dtype=torch.int64)
-    loss = fused_linear_divergence(**problem, reduction=reduction)
+    loss = fused_linear_divergence(**problem, reduction=reduction, backend=backend)
     loss.sum().backward()
     assert torch.all(loss == 0)
     assert torch.all(problem["hidden"].grad == 0) and torch.all(problem["weight"].grad == 0)
     if reduction != "none":
-        zero_items = fused_linear_divergence(**problem, reduction=reduction, num_items_in_batch=0)
+        zero_items = fused_linear_divergence(**problem, reduction=reduction, num_items_in_batch=0, backend=backend)
         assert zero_items.item() == 0
 
 
-def test_views_and_batched_layouts():
-    problem = make_problem(8, leading=(3, 5))
-    contiguous = fused_linear_divergence(**problem, beta=0.4)
-    # a transposed view of the same [3, 5, D] hidden, and a non-contiguous weight
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_views_and_batched_layouts(backend):
+    problem = {
+        k: v.float() if v.is_floating_point() else v for k, v in make_problem(8, leading=(3, 5), bias=True).items()
+    }
+    tol = dict(rtol=1e-6, atol=1e-7)
+
+    def loss(inputs):
+        return fused_linear_divergence(**inputs, beta=0.4, backend=backend, chunk_size=4)
+
+    contiguous = loss(problem)
+    # transposed views of the same [3, 5, D] hidden and mask, non-contiguous heads and strided biases
     viewed = dict(
         problem,
         hidden=problem["hidden"].transpose(0, 1).contiguous().transpose(0, 1),
         weight=problem["weight"].T.contiguous().T,
-        teacher_hidden=problem["teacher_hidden"][:, :, :].transpose(0, 1).contiguous().transpose(0, 1),
+        teacher_hidden=problem["teacher_hidden"].transpose(0, 1).contiguous().transpose(0, 1),
+        teacher_weight=problem["teacher_weight"].T.contiguous().T,
+        bias=torch.stack([problem["bias"], problem["bias"]], dim=1)[:, 0],
+        teacher_bias=torch.stack([problem["teacher_bias"], problem["teacher_bias"]], dim=1)[:, 1],
+        mask=problem["mask"].T.contiguous().T,
     )
-    assert not viewed["hidden"].is_contiguous() and not viewed["weight"].is_contiguous()
-    torch.testing.assert_close(fused_linear_divergence(**viewed, beta=0.4), contiguous, rtol=1e-12, atol=0)
-    flat = {
-        k: v.reshape(15, -1).squeeze(-1) if k in ("hidden", "teacher_hidden", "mask") else v for k, v in problem.items()
-    }
+    for name in ("hidden", "weight", "teacher_hidden", "teacher_weight", "bias", "teacher_bias", "mask"):
+        assert not viewed[name].is_contiguous(), name
+    torch.testing.assert_close(loss(viewed), contiguous, **tol)
+    flat = {k: v.reshape(15, -1) if k in ("hidden", "teacher_hidden") else v for k, v in problem.items()}
     flat["mask"] = problem["mask"].reshape(15)
-    torch.testing.assert_close(fused_linear_divergence(**flat, beta=0.4), contiguous, rtol=1e-12, atol=0)
+    torch.testing.assert_close(loss(flat), contiguous, **tol)
+    # an expanded (stride-0) teacher state, as a broadcast prompt representation would give
+    row = problem["teacher_hidden"][0, :1]
+    expanded = dict(problem, teacher_hidden=row.expand(3, 5, D_TEACHER))
+    torch.testing.assert_close(
+        loss(expanded), loss(dict(problem, teacher_hidden=row.expand(3, 5, D_TEACHER).clone())), **tol
+    )
 
 
 @pytest.mark.parametrize(
@@ -178,14 +220,15 @@ def test_views_and_batched_layouts():
         (dict(beta=1.5), "beta must be in"),
         (dict(temperature=0.0), "temperature must be > 0"),
         (dict(reduction="batchmean"), "reduction must be one of"),
-        (dict(backend="triton"), "Triton kernels of this op are not available"),
+        (dict(backend="cuda"), "unknown backend 'cuda'"),
+        (dict(backend="triton", hidden=torch.randn(N, D, dtype=torch.float64)), "must have one dtype"),
         (dict(chunk_size=0), "chunk_size must be a positive int"),
         (dict(mask=torch.ones(N)), "mask must be a bool or integer"),
         (dict(mask=torch.ones(N + 1, dtype=torch.bool)), "mask must have shape"),
         (dict(teacher_hidden=torch.randn(N + 1, D_TEACHER)), "teacher_hidden must have"),
         (dict(teacher_weight=torch.randn(V, D_TEACHER + 1)), "teacher_hidden's last dim"),
         (dict(reduction="none", num_items_in_batch=3), "needs a scalar reduction"),
-        (dict(num_items_in_batch=-1), "num_items_in_batch must be finite and > 0"),
+        (dict(num_items_in_batch=-1), "num_items_in_batch must be >= 0"),
         (dict(weight=torch.randn(V, D, dtype=torch.float16)), "must have one dtype"),
     ],
 )
@@ -193,3 +236,40 @@ def test_bad_input_is_refused_with_a_clear_error(change, message):
     problem = {k: v.float() if v.is_floating_point() else v for k, v in make_problem(9).items()}
     with pytest.raises(ValueError, match=message):
         fused_linear_divergence(**{**problem, **change})
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize(
+    "options",
+    [dict(), dict(reduction="none", softcap=3.0), dict(reduction="sum", num_items_in_batch=torch.tensor(5), beta=1.0)],
+    ids=["mean", "none-softcap", "sum-num-items"],
+)
+def test_torch_compile_is_one_graph_with_eager_numbers(backend, options):
+    # under torch.compile the op is the custom operator lce_patch::linear_divergence; fullgraph fails on any break
+    torch._dynamo.reset()
+    problem = {k: v.float() if v.is_floating_point() else v for k, v in make_problem(12, bias=True).items()}
+    options = dict(dict(beta=0.3), **options)
+
+    def step(hidden, weight, bias):
+        inputs = dict(problem, hidden=hidden, weight=weight, bias=bias)
+        return fused_linear_divergence(**inputs, backend=backend, chunk_size=4, return_entropy=True, **options)
+
+    results = {}
+    for name, fn in (("eager", step), ("compiled", torch.compile(step, fullgraph=True))):
+        leaves = [problem[k].clone().requires_grad_(True) for k in ("hidden", "weight", "bias")]
+        loss, entropy = fn(*leaves)
+        upstream = torch.linspace(0.5, 1.5, loss.numel()).reshape(loss.shape)
+        (loss * upstream).sum().backward()
+        results[name] = (loss.detach(), entropy, *(leaf.grad for leaf in leaves))
+    for eager, compiled in zip(results["eager"], results["compiled"], strict=True):
+        torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-6)
+    torch._dynamo.reset()
+
+
+def test_torch_compile_still_checks_num_items():
+    torch._dynamo.reset()
+    problem = {k: v.float() if v.is_floating_point() else v for k, v in make_problem(13).items()}
+    compiled = torch.compile(lambda items: fused_linear_divergence(**problem, num_items_in_batch=items), fullgraph=True)
+    with pytest.raises(ValueError, match="num_items_in_batch must be finite and > 0"):
+        compiled(torch.tensor(-2.0))
+    torch._dynamo.reset()

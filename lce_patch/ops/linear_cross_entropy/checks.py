@@ -1,4 +1,4 @@
-"""Input checks shared by the public op and the chunked forward.
+"""Input checks shared by the public ops and the chunked forwards (each message names its op).
 
 Checks of shapes, dtypes and option values run in the public op (``functional.py``), where
 ``torch.compile`` traces them. Checks that read tensor *values* (labels in range, the count of valid
@@ -17,8 +17,8 @@ import torch
 OP_NAME = "fused_linear_cross_entropy"
 
 
-def fail(message: str) -> None:
-    raise ValueError(f"{OP_NAME}: {message}")
+def fail(message: str, op_name: str = OP_NAME) -> None:
+    raise ValueError(f"{op_name}: {message}")
 
 
 def check_int(name: str, value, *, minimum: int | None = None, allow_none: bool = False) -> None:
@@ -39,18 +39,19 @@ def check_real(
     maximum: float | None = None,
     positive: bool = False,
     allow_none: bool = False,
+    op_name: str = OP_NAME,
 ) -> None:
     """A finite real number (not a bool, not a tensor) within the given bounds."""
     if value is None and allow_none:
         return
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
-        fail(f"{name} must be a finite number{' or None' if allow_none else ''}, got {value!r}")
+        fail(f"{name} must be a finite number{' or None' if allow_none else ''}, got {value!r}", op_name)
     if positive and not value > 0:
-        fail(f"{name} must be > 0, got {value}")
+        fail(f"{name} must be > 0, got {value}", op_name)
     if minimum is not None and value < minimum:
-        fail(f"{name} must be >= {minimum}, got {value}")
+        fail(f"{name} must be >= {minimum}, got {value}", op_name)
     if maximum is not None and value > maximum:
-        fail(f"{name} must be <= {maximum}, got {value}")
+        fail(f"{name} must be <= {maximum}, got {value}", op_name)
 
 
 def check_labels(labels: torch.Tensor, vocab_size: int, ignore_index: int) -> None:
@@ -67,21 +68,45 @@ def check_labels(labels: torch.Tensor, vocab_size: int, ignore_index: int) -> No
         )
 
 
-def check_num_items(num_items: torch.Tensor, num_valid: torch.Tensor) -> None:
-    """``num_items_in_batch`` (a 0-d tensor) must be finite and > 0, or 0 when no label is valid (the
-    loss is then 0, as for a batch whose labels are all ignored). ``num_valid``: 0-d count."""
+def num_items_tensor(num_items_in_batch, device: torch.device, op_name: str = OP_NAME) -> torch.Tensor:
+    """``num_items_in_batch`` (a number or a one-element real tensor) as a 0-d tensor on ``device``; its
+    value is checked inside the op (:func:`check_num_items`)."""
+    if isinstance(num_items_in_batch, torch.Tensor):
+        if num_items_in_batch.numel() != 1:
+            fail(
+                "num_items_in_batch must be a number or a one-element tensor, got shape "
+                f"{tuple(num_items_in_batch.shape)}",
+                op_name,
+            )
+        if num_items_in_batch.dtype == torch.bool or num_items_in_batch.dtype.is_complex:
+            fail(f"num_items_in_batch must be a real number, got a {num_items_in_batch.dtype} tensor", op_name)
+        return num_items_in_batch.to(device).reshape(())
+    check_real("num_items_in_batch", num_items_in_batch, minimum=0, op_name=op_name)
+    # a fill kernel, not a copy from host memory (which would sync with the GPU)
+    return torch.full((), float(num_items_in_batch), dtype=torch.float64, device=device)
+
+
+def check_num_items(
+    num_items: torch.Tensor,
+    num_valid: torch.Tensor,
+    *,
+    op_name: str = OP_NAME,
+    none_counted: str = "every label is ignored",
+    counted: str = "valid labels",
+) -> None:
+    """``num_items_in_batch`` (a 0-d tensor) must be finite and > 0, or 0 when nothing counts (no valid
+    label; the loss is then 0, as for a batch whose labels are all ignored). ``num_valid``: 0-d count;
+    ``none_counted`` and ``counted`` word the message for the op."""
     ok = torch.isfinite(num_items) & ((num_items > 0) | ((num_items == 0) & (num_valid == 0)))
     if num_items.device.type != "cuda":
         if not bool(ok):
             fail(
-                f"num_items_in_batch must be finite and > 0 (0 only when every label is ignored), got "
-                f"{num_items.item()} with {int(num_valid)} valid labels"
+                f"num_items_in_batch must be finite and > 0 (0 only when {none_counted}), got "
+                f"{num_items.item()} with {int(num_valid)} {counted}",
+                op_name,
             )
     else:
-        torch._assert_async(
-            ok,
-            f"{OP_NAME}: num_items_in_batch must be finite and > 0 (0 only when every label is ignored)",
-        )
+        torch._assert_async(ok, f"{op_name}: num_items_in_batch must be finite and > 0 (0 only when {none_counted})")
 
 
 def selected_rows(valid: torch.Tensor, num_valid_tokens: int | None) -> torch.Tensor | None:

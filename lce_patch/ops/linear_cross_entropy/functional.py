@@ -7,7 +7,8 @@ from typing import NamedTuple
 
 import torch
 
-from .checks import check_int, check_real, fail
+from . import checks
+from .checks import check_int, check_real, fail, num_items_tensor
 from .chunked import ChunkedOptions, LinearCrossEntropyFunction
 from .custom_op import compiled_linear_cross_entropy
 from .rows import LogitTransform, triton_usable
@@ -37,19 +38,22 @@ class TokenOutputs(NamedTuple):
     log_sum_sq_probs: torch.Tensor | None = None
 
 
-def resolve_backend(backend: str, device: torch.device, dtype: torch.dtype = torch.float32) -> bool:
+def resolve_backend(
+    backend: str, device: torch.device, dtype: torch.dtype = torch.float32, op_name: str = checks.OP_NAME
+) -> bool:
     """True for the Triton backend, False for torch; raises for an unusable request."""
     if backend not in _BACKENDS:
-        fail(f"unknown backend {backend!r}; expected one of {_BACKENDS}")
+        fail(f"unknown backend {backend!r}; expected one of {_BACKENDS}", op_name)
     if backend == "torch":
         return False
     if backend == "triton" and dtype == torch.float64:
-        fail("the triton backend supports float32, float16 and bfloat16; use backend='torch' for float64")
+        fail("the triton backend supports float32, float16 and bfloat16; use backend='torch' for float64", op_name)
     usable = triton_usable(device)
     if backend == "triton" and not usable:
         fail(
             f"backend='triton' needs a CUDA tensor and the triton package (or TRITON_INTERPRET=1 on CPU); "
-            f"got a tensor on {device}"
+            f"got a tensor on {device}",
+            op_name,
         )
     if backend == "auto":  # the CPU interpreter only on explicit request (tests); float64 on torch
         return usable and device.type == "cuda" and dtype != torch.float64
@@ -90,19 +94,6 @@ def _check_inputs(hidden, weight, bias, labels) -> None:
                 f"{name} has unsupported dtype {tensors[name].dtype}; expected float32, float16, bfloat16 "
                 "or float64 (torch backend)"
             )
-
-
-def _num_items_tensor(num_items_in_batch, device: torch.device) -> torch.Tensor:
-    """``num_items_in_batch`` as a 0-d tensor on ``device`` (its value is checked inside the op)."""
-    if isinstance(num_items_in_batch, torch.Tensor):
-        if num_items_in_batch.numel() != 1:
-            fail(f"num_items_in_batch must be a number or a one-element tensor, got shape {_shape(num_items_in_batch)}")
-        if num_items_in_batch.dtype == torch.bool or num_items_in_batch.dtype.is_complex:
-            fail(f"num_items_in_batch must be a real number, got a {num_items_in_batch.dtype} tensor")
-        return num_items_in_batch.to(device).reshape(())
-    check_real("num_items_in_batch", num_items_in_batch, minimum=0)
-    # a fill kernel, not a copy from host memory (which would sync with the GPU)
-    return torch.full((), float(num_items_in_batch), dtype=torch.float64, device=device)
 
 
 def _check_flag(name: str, value) -> None:
@@ -233,7 +224,7 @@ def _run_chunked(
     hidden_2d = hidden.reshape(-1, hidden.shape[-1])
     if num_valid_tokens is not None and num_valid_tokens > labels.shape[0]:
         fail(f"num_valid_tokens={num_valid_tokens} exceeds the number of tokens ({labels.shape[0]})")
-    num_items = _num_items_tensor(num_items_in_batch, hidden.device) if reduction == "items" else None
+    num_items = num_items_tensor(num_items_in_batch, hidden.device) if reduction == "items" else None
 
     grad_on = torch.is_grad_enabled()
     needs_grad = (

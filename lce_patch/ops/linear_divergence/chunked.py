@@ -20,9 +20,14 @@ the teacher. Two schedules, as for the cross-entropy op: a scalar loss gets its 
 already scaled by the reduction (the backward multiplies by the upstream gradient); ``reduction="none"``
 recomputes each chunk in the backward with the per-token upstream gradients.
 
-Rows outside ``mask`` are computed and weighted by 0 (no host sync to count them). Memory above the inputs
-and gradients: about six ``[chunk_rows, V]`` fp32 temporaries and the fp32 dW accumulator. FLOPs: 2·N·V·D_t
+Rows outside ``mask`` are computed and weighted by 0 (no host sync to count them). FLOPs: 2·N·V·D_t
 (teacher) + 6·N·V·D (student logits, dh, dW).
+
+Two row implementations. The torch one (any device, float64 too) upcasts both ``[chunk_rows, V]`` products to
+at least fp32 and keeps about six such temporaries and an fp32 dW accumulator. The Triton one (``kernels.py``)
+keeps the two GEMM outputs in the compute dtype in two buffers reused by every chunk, turns the student's into
+G in place, and adds each chunk's ``G.T @ hidden_c`` into dW as the cross-entropy op does
+(``_GradAccumulator``: bf16/fp32 dW in place, fp16 through fp32, the dW GEMM on a second stream).
 """
 
 from __future__ import annotations
@@ -32,7 +37,21 @@ from dataclasses import dataclass
 
 import torch
 
-DEFAULT_LOGITS_BUDGET_BYTES = 256 * 1024 * 1024  # one [chunk_rows, V] fp32 buffer
+from ..linear_cross_entropy import chunked as _ce_chunked
+from ..linear_cross_entropy.checks import check_num_items
+from ..linear_cross_entropy.rows import HAS_TRITON, scale_inplace
+
+if HAS_TRITON:
+    from .kernels import launch_divergence
+
+OP_NAME = "fused_linear_divergence"
+DEFAULT_LOGITS_BUDGET_BYTES = 256 * 1024 * 1024  # torch rows: one [chunk_rows, V] fp32 buffer
+# Triton rows: vocabulary block per loop iteration of the one-program-per-row kernel, and its warps.
+_BLOCK_V = 2048
+_NUM_WARPS = 8
+# Running the next chunk's teacher GEMM on a second CUDA stream beside this chunk's memory-bound row kernel
+# gained nothing on the H100 (Qwen2.5-1.5B <- 7B, N 4096: 19.14 ms serial vs 19.65 overlapped at the
+# default chunking, and slower or equal at 1024-2048 rows) and costs a second teacher buffer: not done.
 
 
 @dataclass(frozen=True)
@@ -44,9 +63,24 @@ class DivergenceOptions:
     logit_scale: float
     teacher_logit_scale: float
     chunk_rows: int
+    use_triton: bool = False
 
 
-def default_chunk_rows(num_rows: int, vocab: int) -> int:
+def default_chunk_rows(
+    num_rows: int,
+    vocab: int,
+    *,
+    use_triton: bool = False,
+    dtype: torch.dtype = torch.float32,
+    hidden_size: int | None = None,
+    num_sms: int | None = None,
+) -> int:
+    """Token rows per chunk. Torch rows: a [chunk, V] fp32 temporary of about 256 MiB. Triton rows: the
+    cross-entropy op's choice for the student's GEMMs (at least 1024 rows, enough rows for the dh GEMM
+    to fill the GPU at a thin hidden size, at most 16 bf16 roundings of dW), which also sizes the
+    teacher's buffer."""
+    if use_triton:
+        return _ce_chunked.default_chunk_rows(num_rows, vocab, dtype, True, hidden_size=hidden_size, num_sms=num_sms)
     return max(1, min(num_rows, DEFAULT_LOGITS_BUDGET_BYTES // (4 * vocab)))
 
 
@@ -155,8 +189,56 @@ def _spans(num_rows: int, chunk_rows: int):
     return [(start, min(start + chunk_rows, num_rows)) for start in range(0, num_rows, chunk_rows)]
 
 
+def _mode(beta: float) -> int:
+    return 0 if beta == 0 else 1 if beta == 1 else 2
+
+
+def _run_triton_chunks(hidden, teacher_hidden, weight, bias, teacher_weight, teacher_bias, options, row_coeff, needs):
+    num_rows, vocab = hidden.shape[0], weight.shape[0]
+    divergence = torch.empty(num_rows, dtype=torch.float32, device=hidden.device)
+    entropy = torch.empty(num_rows, dtype=torch.float32, device=hidden.device)
+    grads = None
+    if row_coeff is not None:
+        grads = _ce_chunked._GradAccumulator(hidden, weight, bias, *needs)
+        row_coeff = row_coeff.float()
+    # addmm's bias must have the product's dtype (a bias in another dtype: a copy of V elements)
+    bias = None if bias is None else bias.to(weight.dtype)
+    teacher_bias = None if teacher_bias is None else teacher_bias.to(teacher_weight.dtype)
+    spans = _ce_chunked.chunk_spans(num_rows, options.chunk_rows, fold_tail=True)
+    buffer_rows = max(end - start for start, end in spans)
+    student_buffer = torch.empty(buffer_rows, vocab, dtype=weight.dtype, device=hidden.device)
+    teacher_buffer = torch.empty(buffer_rows, vocab, dtype=teacher_weight.dtype, device=hidden.device)
+    beta = options.beta
+    scalars = dict(
+        mode=_mode(beta),
+        beta=beta,
+        logit_scale=options.logit_scale,
+        softcap=options.softcap,
+        teacher_logit_scale=options.teacher_logit_scale,
+        teacher_softcap=options.teacher_softcap,
+        inv_temperature=1.0 / options.temperature,
+        block_v=min(_BLOCK_V, 1 << max(0, (vocab - 1).bit_length())),
+        num_warps=_NUM_WARPS,
+    )
+    for start, end in spans:
+        rows = slice(start, end)
+        student = student_buffer[: end - start]
+        teacher = teacher_buffer[: end - start]
+        _ce_chunked._matmul_into(student, hidden[rows], weight, bias)
+        _ce_chunked._matmul_into(teacher, teacher_hidden[rows], teacher_weight, teacher_bias)
+        coeff = None if row_coeff is None else row_coeff[rows]
+        launch_divergence(student, teacher, coeff, divergence[rows], entropy[rows], **scalars)
+        if grads is not None:
+            grads.add(student, hidden[rows], rows)
+    return divergence, entropy, grads
+
+
 def run_chunks(hidden, teacher_hidden, weight, bias, teacher_weight, teacher_bias, options, row_coeff, needs):
     """Per-token divergence and entropy [N] (fp32 or wider), and the gradients when ``row_coeff`` is given."""
+    if options.use_triton:
+        return _run_triton_chunks(
+            hidden, teacher_hidden, weight, bias, teacher_weight, teacher_bias, options, row_coeff, needs
+        )
     num_rows = hidden.shape[0]
     dtype = torch.promote_types(weight.dtype, torch.float32)
     divergence = torch.empty(num_rows, dtype=dtype, device=hidden.device)
@@ -175,49 +257,102 @@ def run_chunks(hidden, teacher_hidden, weight, bias, teacher_weight, teacher_bia
     return divergence, entropy, grads
 
 
+def loss_scale(row_weight: torch.Tensor, num_items: torch.Tensor | None, reduction: str) -> torch.Tensor | None:
+    """The factor of the sum of selected divergences (0-d, compute dtype), or None for ``reduction="none"``:
+    1 / (selected tokens) for "mean", 1 for "sum", 1 / ``num_items`` when given (checked here, inside the op,
+    where a value check costs no graph break under ``torch.compile``). No selected token (or num_items 0 with
+    none selected): 0, so the loss is a finite 0 with zero gradients."""
+    if reduction == "none":
+        return None
+    compute = row_weight.dtype
+    count = row_weight.sum()
+    if num_items is not None:
+        check_num_items(
+            num_items, count, op_name=OP_NAME, none_counted="no token is selected", counted="selected tokens"
+        )
+        count = num_items.to(compute)
+    elif reduction == "sum":
+        count = torch.ones((), dtype=compute, device=row_weight.device)
+    return torch.where(count > 0, 1 / count.clamp(min=torch.finfo(compute).tiny), torch.zeros_like(count))
+
+
+def divergence_forward(
+    hidden, weight, bias, teacher_hidden, teacher_weight, teacher_bias, row_weight, num_items, reduction, options, needs
+):
+    """(loss, entropy, (dh, dW, db) or None): the loss 0-d for a scalar reduction (with its gradients, scaled by
+    the reduction, when ``needs`` asks for any) or [N] per token; fp32 (fp64 for fp64 inputs)."""
+    scale = loss_scale(row_weight, num_items, reduction)
+    grads = None
+    if scale is not None and any(needs):
+        divergence, entropy, accumulator = run_chunks(
+            hidden, teacher_hidden, weight, bias, teacher_weight, teacher_bias, options, row_weight * scale, needs
+        )
+        grads = accumulator.results(weight.dtype, None if bias is None else bias.dtype)
+    else:
+        with torch.no_grad():
+            divergence, entropy, _ = run_chunks(
+                hidden, teacher_hidden, weight, bias, teacher_weight, teacher_bias, options, None, needs
+            )
+    divergence = torch.where(
+        row_weight != 0, divergence, torch.zeros((), dtype=divergence.dtype, device=divergence.device)
+    )
+    out = divergence.sum() * scale if scale is not None else divergence
+    out_dtype = output_dtype(weight.dtype)
+    return out.to(out_dtype), entropy.to(out_dtype), grads
+
+
+def divergence_backward(
+    hidden, weight, bias, teacher_hidden, teacher_weight, teacher_bias, row_weight, grad_out, options, needs
+):
+    """(dh, dW, db) of the per-token loss for the upstream gradients ``grad_out`` [N], recomputing each chunk."""
+    coeff = grad_out.to(row_weight.dtype) * row_weight
+    _, _, grads = run_chunks(hidden, teacher_hidden, weight, bias, teacher_weight, teacher_bias, options, coeff, needs)
+    return grads.results(weight.dtype, None if bias is None else bias.dtype)
+
+
+def output_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The loss's and entropy's dtype: float64 for float64 inputs, else float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
 class LinearDivergenceFunction(torch.autograd.Function):
     """Inputs are 2-D ([N, D], [N, D_t]); ``row_weight`` [N] is 1 for selected rows and 0 elsewhere;
-    ``scale`` a 0-d tensor (scalar loss: sum of selected divergences times ``scale``) or None (per token)."""
+    ``num_items`` a 0-d tensor or None; ``reduction`` "mean", "sum" or "none"."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, teacher_hidden, teacher_weight, teacher_bias, row_weight, scale, options):
+    def forward(ctx, *inputs):
+        """``inputs``: hidden, weight, bias, teacher_hidden, teacher_weight, teacher_bias, row_weight, num_items,
+        reduction, options."""
+        bias, options = inputs[2], inputs[-1]
         needs = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[2])
-        ctx.options, ctx.needs = options, needs
-        ctx.dtypes = (weight.dtype, None if bias is None else bias.dtype)
-        if scale is not None and any(needs):
-            coeff = row_weight * scale
-            divergence, entropy, grads = run_chunks(
-                hidden, teacher_hidden, weight, bias, teacher_weight, teacher_bias, options, coeff, needs
-            )
-            ctx.save_for_backward(*[g for g in grads.results(*ctx.dtypes) if g is not None])
+        ctx.options, ctx.needs, ctx.backward_done = options, needs, False
+        out, entropy, grads = divergence_forward(*inputs, needs)
+        if grads is not None:
+            ctx.save_for_backward(*[g for g in grads if g is not None])
             ctx.schedule = "scalar"
         else:
-            with torch.no_grad():
-                divergence, entropy, _ = run_chunks(
-                    hidden, teacher_hidden, weight, bias, teacher_weight, teacher_bias, options, None, needs
-                )
-            ctx.save_for_backward(hidden, weight, bias, teacher_hidden, teacher_weight, teacher_bias, row_weight)
+            ctx.save_for_backward(*inputs[:7])  # the tensors, up to row_weight
             ctx.schedule = "recompute"
-        divergence = torch.where(
-            row_weight != 0, divergence, torch.zeros((), dtype=divergence.dtype, device=divergence.device)
-        )
-        out = divergence.sum() * scale if scale is not None else divergence
         ctx.mark_non_differentiable(entropy)
-        return out.float() if out.dtype != torch.float64 else out, entropy
+        return out, entropy
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out, _grad_entropy):
         needs = ctx.needs
+        nones = (None,) * 7
         if ctx.schedule == "scalar":
+            if ctx.backward_done:
+                raise RuntimeError(
+                    f"{OP_NAME}: backward through the same scalar loss twice is not supported "
+                    "(its gradients were computed in the forward and are scaled in place)."
+                )
+            ctx.backward_done = True
             saved = iter(ctx.saved_tensors)
             dh, dw, db = (next(saved) if need else None for need in needs)
-            grads = [g * grad_out.to(g.dtype) if g is not None else None for g in (dh, dw, db)]
-            return grads[0], grads[1], grads[2], None, None, None, None, None, None
-        hidden, weight, bias, teacher_hidden, teacher_weight, teacher_bias, row_weight = ctx.saved_tensors
-        coeff = grad_out.to(row_weight.dtype) * row_weight
-        _, _, grads = run_chunks(
-            hidden, teacher_hidden, weight, bias, teacher_weight, teacher_bias, ctx.options, coeff, needs
-        )
-        dh, dw, db = grads.results(*ctx.dtypes)
-        return dh, dw, db, None, None, None, None, None, None
+            for grad in (dh, dw, db):
+                if grad is not None:  # free on Triton when grad_out is exactly 1 (no host sync to test it)
+                    scale_inplace(grad, grad_out, ctx.options.use_triton)
+            return dh, dw, db, *nones
+        dh, dw, db = divergence_backward(*ctx.saved_tensors, grad_out, ctx.options, needs)
+        return dh, dw, db, *nones

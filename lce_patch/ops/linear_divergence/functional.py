@@ -3,29 +3,19 @@ either model's ``[N, V]`` logits in memory."""
 
 from __future__ import annotations
 
-import math
-import numbers
+import functools
 
 import torch
 
-from .chunked import DivergenceOptions, LinearDivergenceFunction, default_chunk_rows
+from ..linear_cross_entropy import checks
+from ..linear_cross_entropy.functional import resolve_backend
+from .chunked import OP_NAME, DivergenceOptions, LinearDivergenceFunction, default_chunk_rows
+from .custom_op import compiled_linear_divergence
 
-OP_NAME = "fused_linear_divergence"
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 _REDUCTIONS = ("mean", "sum", "none")
-
-
-def _fail(message: str) -> None:
-    raise ValueError(f"{OP_NAME}: {message}")
-
-
-def _real(name: str, value, *, positive: bool = False, allow_none: bool = False) -> None:
-    if value is None and allow_none:
-        return
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
-        _fail(f"{name} must be a finite number{' or None' if allow_none else ''}, got {value!r}")
-    if positive and not value > 0:
-        _fail(f"{name} must be > 0, got {value}")
+_fail = functools.partial(checks.fail, op_name=OP_NAME)
+_real = functools.partial(checks.check_real, op_name=OP_NAME)
 
 
 def _check(hidden, weight, bias, teacher_hidden, teacher_weight, teacher_bias, mask) -> None:
@@ -125,8 +115,10 @@ def fused_linear_divergence(
         reduction: "mean" over selected tokens, "sum", or "none" (per token, fp32, 0 where unselected).
         num_items_in_batch: divide the sum by this count instead (gradient accumulation); a number or a
             one-element tensor.
-        backend: "auto" or "torch" (the chunked PyTorch path); "triton" is not available for this op yet.
-        chunk_size: tokens per chunk (default: a [chunk, V] fp32 buffer of about 256 MiB).
+        backend: "auto" (Triton on CUDA, torch elsewhere and for float64), "triton" or "torch".
+        chunk_size: tokens per chunk. Default on Triton: the cross-entropy op's chunking of the student's
+            GEMMs (at least 1024 rows; two [chunk, V] buffers in the compute dtype, the student's and the
+            teacher's); on torch: a [chunk, V] fp32 temporary of about 256 MiB.
         return_entropy: also return the student's per-token entropy at ``temperature`` (fp32, no gradient),
             computed in the same pass.
 
@@ -145,10 +137,9 @@ def fused_linear_divergence(
     _real("teacher_logit_scale", teacher_logit_scale)
     if reduction not in _REDUCTIONS:
         _fail(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
-    if backend not in ("auto", "torch", "triton"):
-        _fail(f"unknown backend {backend!r}; expected 'auto', 'torch' or 'triton'")
-    if backend == "triton":
-        _fail("the Triton kernels of this op are not available yet; use backend='torch' (or 'auto')")
+    use_triton = resolve_backend(backend, hidden.device, hidden.dtype, OP_NAME)
+    if use_triton and teacher_hidden.dtype == torch.float64:
+        _fail("the triton backend supports float32, float16 and bfloat16; use backend='torch' for a float64 teacher")
     if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
         _fail(f"chunk_size must be a positive int, got {chunk_size!r}")
     if num_items_in_batch is not None and reduction == "none":
@@ -166,16 +157,9 @@ def fused_linear_divergence(
         row_weight = torch.ones(num_rows, dtype=compute, device=hidden.device)
     else:
         row_weight = (mask.reshape(-1) != 0).to(compute)
-    if reduction == "none":
-        scale = None
-    else:
-        count = row_weight.sum()
-        if num_items_in_batch is not None:
-            count = _num_items(num_items_in_batch, hidden.device, count).to(compute)
-        elif reduction == "sum":
-            count = torch.ones((), dtype=compute, device=hidden.device)
-        # no selected token (or num_items_in_batch == 0 with none): a finite 0 and zero gradients
-        scale = torch.where(count > 0, 1 / count.clamp(min=torch.finfo(compute).tiny), torch.zeros_like(count))
+    num_items = None
+    if num_items_in_batch is not None:
+        num_items = checks.num_items_tensor(num_items_in_batch, hidden.device, OP_NAME)
     options = DivergenceOptions(
         beta=float(beta),
         temperature=float(temperature),
@@ -183,14 +167,19 @@ def fused_linear_divergence(
         teacher_softcap=None if teacher_softcap is None else float(teacher_softcap),
         logit_scale=float(logit_scale),
         teacher_logit_scale=float(teacher_logit_scale),
-        chunk_rows=chunk_size or default_chunk_rows(max(num_rows, 1), vocab),
+        chunk_rows=chunk_size or _default_chunk_rows(num_rows, vocab, hidden, use_triton),
+        use_triton=use_triton,
     )
     if num_rows == 0:
         loss = (hidden_2d.sum() * 0).float() if reduction != "none" else hidden_2d.new_zeros(0, dtype=torch.float32)
         entropy = hidden_2d.new_zeros(0, dtype=torch.float32)
+    elif torch.compiler.is_compiling():
+        loss, entropy = compiled_linear_divergence(
+            hidden_2d, weight, bias, teacher_2d, teacher_weight, teacher_bias, row_weight, num_items, reduction, options
+        )
     else:
         loss, entropy = LinearDivergenceFunction.apply(
-            hidden_2d, weight, bias, teacher_2d, teacher_weight, teacher_bias, row_weight, scale, options
+            hidden_2d, weight, bias, teacher_2d, teacher_weight, teacher_bias, row_weight, num_items, reduction, options
         )
     if reduction == "none":
         loss = loss.reshape(leading)
@@ -199,21 +188,15 @@ def fused_linear_divergence(
     return (loss, entropy) if return_entropy else loss
 
 
-def _num_items(value, device: torch.device, num_selected: torch.Tensor) -> torch.Tensor:
-    if isinstance(value, torch.Tensor):
-        if value.numel() != 1 or value.dtype == torch.bool or value.dtype.is_complex:
-            _fail(f"num_items_in_batch must be a number or a one-element real tensor, got {value!r}")
-        value = value.to(device).reshape(())
-    else:
-        _real("num_items_in_batch", value)
-        value = torch.full((), float(value), dtype=torch.float64, device=device)
-    ok = torch.isfinite(value) & ((value > 0) | ((value == 0) & (num_selected == 0)))
-    if device.type != "cuda":
-        if not bool(ok):
-            _fail(
-                f"num_items_in_batch must be finite and > 0 (0 only when no token is selected), got {value.item()} "
-                f"with {int(num_selected)} selected tokens"
-            )
-    else:
-        torch._assert_async(ok, f"{OP_NAME}: num_items_in_batch must be finite and > 0 (0 only with no token selected)")
-    return value
+def _default_chunk_rows(num_rows: int, vocab: int, hidden: torch.Tensor, use_triton: bool) -> int:
+    num_sms = None
+    if use_triton and hidden.is_cuda:
+        num_sms = torch.cuda.get_device_properties(hidden.device).multi_processor_count
+    return default_chunk_rows(
+        max(num_rows, 1),
+        vocab,
+        use_triton=use_triton,
+        dtype=hidden.dtype,
+        hidden_size=hidden.shape[-1],
+        num_sms=num_sms,
+    )
