@@ -175,6 +175,10 @@ class FusedLCECallback(TrainerCallback):
             from .trl_distillation import serve_distillation_trainer
 
             serve_distillation_trainer(trainer, self.options)  # TRL's DistillationTrainer: the fused divergence
+        if hasattr(type(trainer), "generalized_jsd_loss"):
+            from .trl_gkd import serve_gkd_trainer
+
+            serve_gkd_trainer(trainer, self.options)  # TRL's experimental GKDTrainer: the fused divergence
 
     def on_init_end(self, args, state, control, model=None, **kwargs):
         self.check_args(args)

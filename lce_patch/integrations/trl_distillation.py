@@ -111,6 +111,15 @@ def _fused_divergence_loss(
     return loss, entropy_sum, valid.sum()
 
 
+def divergence_options(options: dict[str, Any]) -> dict[str, Any]:
+    """The options of :func:`lce_patch.fused_linear_divergence` among a callback's: ``chunk_size``, and
+    ``backend`` when it asks for the PyTorch one (the cross-entropy op's other options do not apply)."""
+    op_options = {key: options[key] for key in ("chunk_size",) if options.get(key) is not None}
+    if options.get("backend") == "torch":
+        op_options["backend"] = "torch"
+    return op_options
+
+
 def _dispatcher(original):
     @functools.wraps(original)
     def chunked_divergence_loss(*args, **kwargs):
@@ -153,9 +162,7 @@ def serve_distillation_trainer(trainer: Any, options: dict[str, Any]) -> bool:
             stacklevel=2,
         )
         return False
-    op_options = {key: options[key] for key in ("chunk_size",) if options.get(key) is not None}
-    if options.get("backend") == "torch":
-        op_options["backend"] = "torch"
+    op_options = divergence_options(options)
 
     @functools.wraps(method)
     def compute_loss(*args, **kwargs):
