@@ -14,7 +14,13 @@ from .conftest import RECIPES_DIR
 
 # Small enough for CI: a handful of short sequences, two optimizer steps.
 TINY = ["--max-steps", "2", "--max-examples", "24", "--batch-size", "4", "--seq-len", "128"]
-RECIPES = ["sft", "train", "dpo", "grpo"]
+RECIPES = ["sft", "train", "dpo", "grpo", "distill"]
+# The distillation recipe's embedded teacher first trains on the shipped data: a few steps are enough here.
+EXTRA = {"distill": ["--teacher-steps", "4"]}
+
+
+def tiny(recipe: str) -> list[str]:
+    return [*TINY, *EXTRA.get(recipe, [])]
 
 
 def _main(recipe: str):
@@ -54,7 +60,7 @@ def test_embedded_default_trains_and_saves(
     """No --model, no --dataset: the embedded model trains a couple of steps with the fused loss and is saved
     to runs/<recipe> (no --output-dir either), a folder of its own."""
     monkeypatch.chdir(tmp_path)
-    assert _main(recipe)(TINY) == 0
+    assert _main(recipe)(tiny(recipe)) == 0
     out, err = capfd.readouterr()
     assert "embedded Llama" in out and "loss" in out and "median" in out
     saved = tmp_path / "runs" / recipe
@@ -72,7 +78,7 @@ def test_compare_prints_the_table_and_writes_the_plot(
     --output-dir it writes to runs/<recipe>-compare, never into runs/<recipe> where training saves its model;
     repeated library warnings (GRPO's, once per step) show once."""
     monkeypatch.chdir(tmp_path)
-    assert _main(recipe)([*TINY, "--compare"]) == 0
+    assert _main(recipe)([*tiny(recipe), "--compare"]) == 0
     out, err = capfd.readouterr()
     for row in (
         "step",
