@@ -25,6 +25,7 @@ SCRIPTS = [
     "qlora_check.py",
     "axolotl_bench.py",
     "bench_divergence.py",
+    "distill_e2e.py",
     "plot_results.py",
     "research/probe_gemm_epilogue.py",
     "research/schedule_bound.py",
@@ -131,6 +132,17 @@ def test_bench_divergence_tiny_on_cpu(tmp_path):
     assert losses["lce_patch"] == pytest.approx(losses["unfused"], rel=1e-5), row
     if losses["trl"] is not None:  # TRL's kernel on the CPU (its torch path), when trl imports
         assert losses["trl"] == pytest.approx(losses["unfused"], rel=1e-5), row
+
+
+def test_distill_e2e_tiny_on_cpu(tmp_path):
+    # TRL's DistillationTrainer with tiny models, TRL's kernel then lce_patch: the same losses
+    pytest.importorskip("trl")
+    out = tmp_path / "distill_e2e.json"
+    result = _run(["distill_e2e.py", "--tiny", "--out", str(out)], tmp_path)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
+    runs = json.loads(out.read_text())["results"]
+    assert runs["lce_patch"]["losses"] == pytest.approx(runs["trl"]["losses"], rel=1e-4)
+    assert runs["lce_patch"]["entropy"] == pytest.approx(runs["trl"]["entropy"], rel=1e-4)
 
 
 def test_qlora_check_tiny_on_cpu(tmp_path):
