@@ -47,7 +47,7 @@ def tokenizer():
     return make_tokenizer()
 
 
-def _train(tokenizer, callbacks, student_kind="llama", beta=0.5, tmp_path=None, **config):
+def _train(tokenizer, callbacks, student_kind="llama", beta=0.5, tmp_path=None, peft=False, **config):
     prompts = datasets.Dataset.from_list(
         [{"prompt": " ".join(f"w{4 + (i * 7 + j) % 50}" for j in range(6))} for i in range(8)]
     )
@@ -66,6 +66,11 @@ def _train(tokenizer, callbacks, student_kind="llama", beta=0.5, tmp_path=None, 
         disable_tqdm=True,
         **config,
     )
+    peft_config = None
+    if peft:
+        from peft import LoraConfig
+
+        peft_config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
     trainer = trl.DistillationTrainer(
         model=_model(student_kind, 32, 0),
         teacher_model=_model(student_kind, 48, 1),  # a wider teacher
@@ -73,6 +78,7 @@ def _train(tokenizer, callbacks, student_kind="llama", beta=0.5, tmp_path=None, 
         train_dataset=prompts,
         processing_class=tokenizer,
         callbacks=callbacks,
+        peft_config=peft_config,
     )
     trainer.train()
     logs = [entry for entry in trainer.state.log_history if "loss" in entry]
@@ -92,11 +98,15 @@ def op_calls(monkeypatch):
     return calls
 
 
-@pytest.mark.parametrize(("student_kind", "beta"), [("llama", 0.5), ("llama", 0.0), ("llama", 1.0), ("gemma2", 0.5)])
-def test_logged_metrics_equal_trl_kernel(tokenizer, op_calls, tmp_path, student_kind, beta):
-    _, reference = _train(tokenizer, [], student_kind, beta, tmp_path=tmp_path / "trl")
+@pytest.mark.parametrize(
+    ("student_kind", "beta", "peft"),
+    [("llama", 0.5, False), ("llama", 0.0, False), ("llama", 1.0, False), ("gemma2", 0.5, False), ("llama", 0.5, True)],
+    ids=["llama-0.5", "llama-0", "llama-1", "gemma2-softcap", "llama-lora"],
+)
+def test_logged_metrics_equal_trl_kernel(tokenizer, op_calls, tmp_path, student_kind, beta, peft):
+    _, reference = _train(tokenizer, [], student_kind, beta, tmp_path=tmp_path / "trl", peft=peft)
     assert not op_calls
-    trainer, logs = _train(tokenizer, [FusedLCECallback()], student_kind, beta, tmp_path=tmp_path / "fused")
+    trainer, logs = _train(tokenizer, [FusedLCECallback()], student_kind, beta, tmp_path=tmp_path / "fused", peft=peft)
     assert len(op_calls) == 2  # one call per step (batch of 4, no gradient accumulation)
     assert len(logs) == len(reference) == 2
     for ours, theirs in zip(logs, reference):
