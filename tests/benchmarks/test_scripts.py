@@ -26,6 +26,7 @@ SCRIPTS = [
     "axolotl_bench.py",
     "bench_divergence.py",
     "distill_e2e.py",
+    "chunk_sweep.py",
     "plot_results.py",
     "research/probe_gemm_epilogue.py",
     "research/schedule_bound.py",
