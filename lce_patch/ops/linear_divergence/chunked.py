@@ -1,4 +1,4 @@
-"""The chunked autograd Function of ``fused_linear_divergence`` (the torch backend).
+"""The chunked autograd Function of ``fused_linear_divergence``, shared by both backends.
 
 Tokens are processed ``chunk_rows`` at a time. For each chunk the student's logits ``hidden_c @ W.T`` and the
 teacher's ``teacher_hidden_c @ W_t.T`` are two GEMMs into ``[chunk_rows, V]`` buffers, upcast to at least fp32;
