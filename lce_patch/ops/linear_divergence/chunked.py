@@ -39,7 +39,7 @@ import torch
 
 from ..linear_cross_entropy import chunked as _ce_chunked
 from ..linear_cross_entropy.checks import check_num_items
-from ..linear_cross_entropy.rows import HAS_TRITON, scale_inplace
+from ..linear_cross_entropy.rows import HAS_TRITON, _next_power_of_2, scale_inplace
 
 if HAS_TRITON:
     from .kernels import launch_divergence
@@ -185,10 +185,6 @@ class _Grads:
         return self.dh, dw, db
 
 
-def _spans(num_rows: int, chunk_rows: int):
-    return [(start, min(start + chunk_rows, num_rows)) for start in range(0, num_rows, chunk_rows)]
-
-
 def _mode(beta: float) -> int:
     return 0 if beta == 0 else 1 if beta == 1 else 2
 
@@ -217,7 +213,7 @@ def _run_triton_chunks(hidden, teacher_hidden, weight, bias, teacher_weight, tea
         teacher_logit_scale=options.teacher_logit_scale,
         teacher_softcap=options.teacher_softcap,
         inv_temperature=1.0 / options.temperature,
-        block_v=min(_BLOCK_V, 1 << max(0, (vocab - 1).bit_length())),
+        block_v=min(_BLOCK_V, _next_power_of_2(vocab)),
         num_warps=_NUM_WARPS,
     )
     for start, end in spans:
@@ -244,7 +240,7 @@ def run_chunks(hidden, teacher_hidden, weight, bias, teacher_weight, teacher_bia
     divergence = torch.empty(num_rows, dtype=dtype, device=hidden.device)
     entropy = torch.empty(num_rows, dtype=dtype, device=hidden.device)
     grads = _Grads(hidden, weight, bias, needs) if row_coeff is not None else None
-    for start, end in _spans(num_rows, options.chunk_rows):
+    for start, end in _ce_chunked.chunk_spans(num_rows, options.chunk_rows):
         hidden_c = hidden[start:end]
         coeff = None if row_coeff is None else row_coeff[start:end]
         div_c, ent_c, grad = chunk_pass(
