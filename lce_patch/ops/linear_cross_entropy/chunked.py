@@ -29,6 +29,12 @@ With ``ChunkedOptions.shard`` the weight is one rank's shard of a vocabulary spl
 group: the row pass becomes vocab_parallel.py's (statistics exchanged per chunk, the gradient formed
 with the whole vocabulary's log-sum-exp), labels become shard ids, and dh is summed over the group.
 
+A low-rank term (:class:`LowRank`, a LoRA adapter on the head) adds ``L_c @ B.T`` to each chunk's
+logits (one more GEMM into the buffer, K = r) and takes its gradients from the same G:
+``dL_c = G @ B`` and ``dB += G.T @ L_c`` (fp32). The adapter's own input projection
+(``L = scale * dropout(h) @ A.T``) stays outside the op, in autograd, so W is never copied or summed
+with ``B @ A``.
+
 Memory above inputs and gradients: the one logits buffer plus O(N) fp32 vectors.
 """
 
@@ -161,6 +167,34 @@ def _matmul_into(out: torch.Tensor, hidden_chunk: torch.Tensor, weight: torch.Te
         torch.addmm(bias, hidden_chunk, weight.t(), out=out)
 
 
+class LowRank(NamedTuple):
+    """A low-rank term of the logits, ``hidden @ weight.T``: hidden [N, r] (the op's rows), weight [V, r],
+    in the op's compute dtype. A LoRA adapter on the head is ``hidden = scale * dropout(h) @ A.T``,
+    ``weight = B``."""
+
+    hidden: torch.Tensor
+    weight: torch.Tensor
+
+    def rows(self, rows: slice | torch.Tensor) -> torch.Tensor:
+        """The term's hidden rows of a chunk (a view for a slice, a gathered [C, r] copy otherwise)."""
+        return self.hidden[rows] if isinstance(rows, slice) else self.hidden.index_select(0, rows)
+
+
+def _logits_into(
+    out: torch.Tensor,
+    hidden_chunk: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    low_rank: LowRank | None,
+    rows: slice | torch.Tensor,
+) -> None:
+    """A chunk's raw logits: ``hidden_chunk @ W.T (+ bias) (+ the low-rank term's rows)``, the low-rank
+    product added by the GEMM itself (fp32 accumulation, one rounding)."""
+    _matmul_into(out, hidden_chunk, weight, bias)
+    if low_rank is not None:
+        out.addmm_(low_rank.rows(rows), low_rank.weight.t())
+
+
 def _addmm_fp32(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
     """``acc += a @ b`` into an fp32 ``acc`` without rounding the product to the inputs' dtype."""
     if acc.device.type == "cuda" and a.dtype != torch.float32:
@@ -197,8 +231,29 @@ class _GradAccumulator:
     chunk's rows are written to their places; the chunk's rows of hidden are gathered into dh itself
     (:meth:`gather_rows`), so no separate [C, D] buffer is needed."""
 
-    def __init__(self, hidden, weight, bias, needs_hidden, needs_weight, needs_bias, row_index=None):
+    def __init__(
+        self,
+        hidden,
+        weight,
+        bias,
+        needs_hidden,
+        needs_weight,
+        needs_bias,
+        row_index=None,
+        low_rank: LowRank | None = None,
+        needs_low_rank: tuple[bool, bool] = (False, False),
+    ):
         self.weight = weight
+        self.low_rank = low_rank
+        # The low-rank term's gradients: d(its hidden) rows [N, r] (zero where a row is skipped) and
+        # d(its weight) [V, r], accumulated in fp32 (fp64 for fp64; it is small: V * r).
+        self.d_low_rank_hidden = self.d_low_rank_weight = None
+        if low_rank is not None and needs_low_rank[0]:
+            self.d_low_rank_hidden = torch.zeros_like(low_rank.hidden)
+        if low_rank is not None and needs_low_rank[1]:
+            self.d_low_rank_weight = torch.zeros(
+                low_rank.weight.shape, dtype=stats_dtype(weight.dtype), device=weight.device
+            )
         self.dh = None
         self.rows_skipped = None if row_index is None else hidden.shape[0] - row_index.shape[0]
         if needs_hidden:
@@ -232,7 +287,13 @@ class _GradAccumulator:
         """Whether chunks may come as rows to be scaled (:meth:`add`): when dh is the only gradient.
         A dW GEMM cannot scale its K rows, and scaling hidden's rows for it rounds them a second
         time (dW error 1.28x the unfused path's on flat data on the H100, NOTES v15)."""
-        return self.dh is not None and self.dw is None and self.db is None
+        return (
+            self.dh is not None
+            and self.dw is None
+            and self.db is None
+            and self.d_low_rank_hidden is None
+            and self.d_low_rank_weight is None
+        )
 
     @property
     def gathers_into_dh(self) -> bool:
@@ -272,11 +333,11 @@ class _GradAccumulator:
             main = torch.cuda.current_stream(grad_chunk.device)
             self._side_stream.wait_stream(main)
             with torch.cuda.stream(self._side_stream):
-                self._add_weight_grads(grad_chunk, hidden_chunk)
+                self._add_weight_grads(grad_chunk, hidden_chunk, rows)
             self._dh_product(grad_chunk, row_factor, self.dh[rows])
             main.wait_stream(self._side_stream)
             return
-        self._add_weight_grads(grad_chunk, hidden_chunk)
+        self._add_weight_grads(grad_chunk, hidden_chunk, rows)
         if self.dh is None:
             return
         if isinstance(rows, slice):
@@ -296,7 +357,18 @@ class _GradAccumulator:
             return torch.mm(grad_chunk, self.weight, out=out)
         return torch.mul(_mm_fp32(grad_chunk, self.weight), row_factor[:, None], out=out)
 
-    def _add_weight_grads(self, grad_chunk: torch.Tensor, hidden_chunk: torch.Tensor) -> None:
+    def _add_weight_grads(self, grad_chunk: torch.Tensor, hidden_chunk: torch.Tensor, rows) -> None:
+        # The low-rank term's gradients first: with a row selection G's memory is reused after the GEMMs.
+        if self.d_low_rank_weight is not None:
+            if self.d_low_rank_weight.dtype == grad_chunk.dtype:  # fp32, fp64
+                self.d_low_rank_weight.addmm_(grad_chunk.t(), self.low_rank.rows(rows))
+            else:
+                _addmm_fp32(self.d_low_rank_weight, grad_chunk.t(), self.low_rank.rows(rows))
+        if self.d_low_rank_hidden is not None:
+            if isinstance(rows, slice):
+                torch.mm(grad_chunk, self.low_rank.weight, out=self.d_low_rank_hidden[rows])
+            else:
+                self.d_low_rank_hidden.index_copy_(0, rows, torch.mm(grad_chunk, self.low_rank.weight))
         if self.dw is not None:
             if not self._dw_written:
                 self.dw.zero_() if self.dw_fp32 else torch.mm(grad_chunk.t(), hidden_chunk, out=self.dw)
@@ -314,6 +386,13 @@ class _GradAccumulator:
         dw = self.dw.to(weight_dtype) if self.dw is not None else None
         db = self.db.to(bias_dtype) if self.db is not None else None
         return self.dh, dw, db
+
+    def low_rank_results(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(d of the low-rank term's hidden, d of its weight), in their dtypes; None where not needed."""
+        d_weight = self.d_low_rank_weight
+        if d_weight is not None:
+            d_weight = d_weight.to(self.low_rank.weight.dtype)
+        return self.d_low_rank_hidden, d_weight
 
 
 _SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
@@ -443,6 +522,7 @@ class ChunkedOptions:
     skip_ignored / num_valid_tokens: process the valid rows only (see :func:`checks.selected_rows`).
     shard: the weight is this rank's shard of a vocabulary split across a process group (vocab_parallel.py;
     ``transform.vocab_size`` is then the whole vocabulary's size, and ``want`` all False).
+    needs_low_rank_grad: whether the low-rank term's (hidden, weight) get gradients (:class:`LowRank`).
     """
 
     transform: LogitTransform
@@ -455,6 +535,7 @@ class ChunkedOptions:
     num_valid_tokens: int | None = None
     precompute_grad: bool = False
     shard: VocabShard | None = None
+    needs_low_rank_grad: tuple[bool, bool] = (False, False)
 
 
 class ForwardOutputs(NamedTuple):
@@ -463,7 +544,8 @@ class ForwardOutputs(NamedTuple):
     loss: 0-d for a scalar loss, else [N] (0 where ignored); entropy, is_top1 (bool), mean_logit,
     log_sum_sq: [N] (0 / False where ignored) or None when not wanted. For the backward: ``row_index`` (the processed rows, None for all), their
     ``row_labels`` [M], ``lse`` [M] and ``processed_entropy`` [M] (None without entropy); ``grads``
-    (dh, dw, db, each None when not needed) when the gradient was computed in the forward, and
+    (dh, dw, db, d_low_rank_hidden, d_low_rank_weight, each None when not needed) when the gradient
+    was computed in the forward, and
     ``grad_scale`` (the factor precomputed gradients carry, per-token outputs only); ``chunks``, the (start, stop) row spans used.
     """
 
@@ -503,17 +585,19 @@ def chunked_forward(
     labels: torch.Tensor,
     num_items: torch.Tensor | None,
     options: ChunkedOptions,
+    low_rank: LowRank | None = None,
 ) -> ForwardOutputs:
     """The chunked forward (see the module docstring), with the checks that read tensor values.
 
-    hidden [N, D], weight [V, D], bias [V] or None: one float dtype, any strides. labels [N] integer.
-    num_items: 0-d tensor for ``reduction="items"``. Runs with autocast off (the caller casts).
+    hidden [N, D], weight [V, D], bias [V] or None, ``low_rank``'s tensors: one float dtype, any strides.
+    labels [N] integer. num_items: 0-d tensor for ``reduction="items"``. Runs with autocast off (the
+    caller casts).
     """
     with torch.autocast(hidden.device.type, enabled=False):
-        return _chunked_forward(hidden, weight, bias, labels, num_items, options)
+        return _chunked_forward(hidden, weight, bias, labels, num_items, options, low_rank)
 
 
-def _chunked_forward(hidden, weight, bias, labels, num_items, options: ChunkedOptions) -> ForwardOutputs:
+def _chunked_forward(hidden, weight, bias, labels, num_items, options: ChunkedOptions, low_rank) -> ForwardOutputs:
     transform, use_triton, shard = options.transform, options.use_triton, options.shard
     labels = labels.contiguous()  # the row kernels index labels by row
     vocab_size = weight.shape[0]
@@ -533,7 +617,7 @@ def _chunked_forward(hidden, weight, bias, labels, num_items, options: ChunkedOp
     device = hidden.device
     want_entropy, want_top1, want_mean_logit, want_log_sum_sq = options.want
     needs_hidden, needs_weight, needs_bias = options.needs_grad
-    any_grad = needs_hidden or needs_weight or needs_bias
+    any_grad = needs_hidden or needs_weight or needs_bias or any(options.needs_low_rank_grad)
     chunks = resolve_chunks(options.chunk_size, num_rows, hidden, weight, use_triton, any_grad)
     scalar_loss = reduce_scale is not None
     # Per-token outputs with precompute_grad: the gradient of sum(loss) / n_valid is computed now
@@ -556,7 +640,7 @@ def _chunked_forward(hidden, weight, bias, labels, num_items, options: ChunkedOp
         log_sum_sq=stat_rows() if want_log_sum_sq else None,
     )
     grads = (
-        _GradAccumulator(hidden, weight, bias, needs_hidden, needs_weight, needs_bias, row_index)
+        _GradAccumulator(hidden, weight, bias, *options.needs_grad, row_index, low_rank, options.needs_low_rank_grad)
         if grad_in_forward
         else None
     )
@@ -566,6 +650,8 @@ def _chunked_forward(hidden, weight, bias, labels, num_items, options: ChunkedOp
     target_raw = None
     if hidden.dtype in (torch.float16, torch.bfloat16) or shard is not None:
         target_raw = target_logits(hidden, weight, bias, labels, use_triton, row_index)
+        if low_rank is not None:
+            target_raw += target_logits(low_rank.hidden, low_rank.weight, None, labels, use_triton, row_index)
     buffer = torch.empty(_buffer_rows(chunks), vocab_size, dtype=hidden.dtype, device=device)
     shard_pass = None
     if shard is not None:
@@ -587,7 +673,7 @@ def _chunked_forward(hidden, weight, bias, labels, num_items, options: ChunkedOp
         raw = buffer[: stop - start]
         rows = slice(start, stop) if row_index is None else row_index[start:stop]
         hidden_chunk = _chunk_rows_of(hidden, rows, start, grads, gathered)
-        _matmul_into(raw, hidden_chunk, weight, bias)
+        _logits_into(raw, hidden_chunk, weight, bias, low_rank, rows)
         chunk_out = RowOutputs(*(None if t is None else t[start:stop] for t in vars(out).values()))
         chunk_target = target_raw[start:stop] if target_raw is not None else None
         chunk_factor = row_factor[: stop - start] if row_factor is not None else None
@@ -606,7 +692,10 @@ def _chunked_forward(hidden, weight, bias, labels, num_items, options: ChunkedOp
         out = _scatter_rows(out, row_index, total_rows)
     computed = None
     if grads is not None:
-        computed = grads.results(weight.dtype, bias.dtype if bias is not None else None)
+        computed = (
+            *grads.results(weight.dtype, bias.dtype if bias is not None else None),
+            *grads.low_rank_results(),
+        )
         if shard is not None and computed[0] is not None:
             all_reduce_sum(computed[0], shard)  # dh: the sum of every shard's G_r @ W_r
     return ForwardOutputs(
@@ -640,14 +729,16 @@ def chunked_backward(
     chunks: tuple[tuple[int, int], ...],
     use_triton: bool,
     shard: VocabShard | None = None,
-) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    low_rank: LowRank | None = None,
+    needs_low_rank: tuple[bool, bool] = (False, False),
+) -> tuple[torch.Tensor | None, ...]:
     """Gradients of per-token outputs by recomputing each chunk's logits (8*N*V*D FLOPs in all), over
     the (start, stop) row spans ``chunks`` (:func:`resolve_chunks`).
 
     ``row_labels``, ``lse`` and ``entropy`` are of the processed rows (``row_index``, or all);
     ``grad_loss`` and ``grad_entropy`` (None: no gradient) are of all N rows. Returns (dh, dw, db).
     With ``shard``, ``row_labels`` are shard ids, ``lse`` the whole vocabulary's, and dh is summed
-    over the shard's group.
+    over the shard's group. With ``low_rank`` also returns (d of its hidden, d of its weight).
     """
     with torch.autocast(hidden.device.type, enabled=False):
         if row_index is not None:  # only the processed rows have gradients
@@ -656,7 +747,7 @@ def chunked_backward(
             if grad_entropy is not None:
                 grad_entropy = grad_entropy.reshape(-1).index_select(0, row_index)
         vocab_size = weight.shape[0]
-        grads = _GradAccumulator(hidden, weight, bias, *needs_grad, row_index)
+        grads = _GradAccumulator(hidden, weight, bias, *needs_grad, row_index, low_rank, needs_low_rank)
         acc_dtype = stats_dtype(hidden.dtype)
         grad_loss = grad_loss.reshape(-1).to(acc_dtype).contiguous() if grad_loss is not None else None
         grad_entropy = grad_entropy.reshape(-1).to(acc_dtype).contiguous() if grad_entropy is not None else None
@@ -668,7 +759,7 @@ def chunked_backward(
                 raw = buffer[: stop - start]
                 rows = slice(start, stop) if row_index is None else row_index[start:stop]
                 hidden_chunk = _chunk_rows_of(hidden, rows, start, grads, gathered)
-                _matmul_into(raw, hidden_chunk, weight, bias)
+                _logits_into(raw, hidden_chunk, weight, bias, low_rank, rows)
                 chunk_grad(
                     raw,
                     row_labels[start:stop],
@@ -685,6 +776,8 @@ def chunked_backward(
         dh, dw, db = grads.results(weight.dtype, bias.dtype if bias is not None else None)
         if shard is not None and dh is not None:
             all_reduce_sum(dh, shard)
+        if low_rank is not None:
+            return dh, dw, db, *grads.low_rank_results()
         return dh, dw, db
 
 
@@ -703,15 +796,27 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
     """Chunked fused projection + cross-entropy (eager mode); see the module docstring.
 
     Inputs: hidden [N, D], weight [V, D], bias [V] or None (all one float dtype, any strides), labels
-    [N] integer, num_items (0-d tensor for ``reduction="items"``, else None), ``ChunkedOptions``.
+    [N] integer, num_items (0-d tensor for ``reduction="items"``, else None), ``ChunkedOptions``, and
+    optionally a low-rank term's hidden [N, r] and weight [V, r] (:class:`LowRank`, same dtype).
     Outputs: loss (0-d, or [N]), entropy [N] (or empty), is_top1 [N] bool (or empty), mean_logit [N]
     (or empty), log_sum_sq [N] (or empty); fp32, or fp64 for fp64 inputs. mean_logit and log_sum_sq
     carry no gradient.
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, labels, num_items, options: ChunkedOptions):
-        result = chunked_forward(hidden, weight, bias, labels, num_items, options)
+    def forward(
+        ctx,
+        hidden,
+        weight,
+        bias,
+        labels,
+        num_items,
+        options: ChunkedOptions,
+        low_rank_hidden=None,
+        low_rank_weight=None,
+    ):
+        low_rank = None if low_rank_hidden is None else LowRank(low_rank_hidden, low_rank_weight)
+        result = chunked_forward(hidden, weight, bias, labels, num_items, options, low_rank)
         # Outputs that get no gradient (entropy logged as a metric, say) arrive as None, not as
         # zeros, so the backward can skip their terms.
         ctx.set_materialize_grads(False)
@@ -731,15 +836,24 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         outputs = (result.loss, entropy, is_top1, mean_logit, log_sum_sq)
         if scalar_loss:
             ctx.mark_non_differentiable(entropy)
-            ctx.save_for_backward(*(result.grads or (None, None, None)))
+            ctx.save_for_backward(*(result.grads or (None,) * 5))
             return outputs
-        if any(options.needs_grad):
-            precomputed = (None, None, None, None)
+        if any(options.needs_grad) or any(options.needs_low_rank_grad):
+            precomputed = (None,) * 6
             if result.grad_scale is not None:
                 precomputed = (*result.grads, result.grad_scale)
             saved_entropy = result.processed_entropy if result.processed_entropy is not None else result.lse
             ctx.save_for_backward(
-                hidden, weight, bias, result.row_labels, result.lse, saved_entropy, result.row_index, *precomputed
+                hidden,
+                weight,
+                bias,
+                low_rank_hidden,
+                low_rank_weight,
+                result.row_labels,
+                result.lse,
+                saved_entropy,
+                result.row_index,
+                *precomputed,
             )
             ctx.has_entropy = result.processed_entropy is not None
             ctx.precomputed = result.grad_scale is not None
@@ -749,8 +863,12 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
     def backward(ctx, grad_loss, grad_entropy, _grad_top1, _grad_mean_logit, _grad_log_sum_sq):
         _refuse_double_backward()
         if ctx.scalar_loss:
-            return LinearCrossEntropyFunction._scalar_backward(ctx, grad_loss)
-        return LinearCrossEntropyFunction._recompute_backward(ctx, grad_loss, grad_entropy)
+            grads = LinearCrossEntropyFunction._scalar_backward(ctx, grad_loss)
+        else:
+            grads = LinearCrossEntropyFunction._recompute_backward(ctx, grad_loss, grad_entropy)
+        dh, dw, db, d_low_rank_hidden, d_low_rank_weight = grads
+        all_grads = (dh, dw, db, None, None, None, d_low_rank_hidden, d_low_rank_weight)
+        return all_grads[: len(ctx.needs_input_grad)]  # the low-rank term's only when it was given
 
     @staticmethod
     def _scalar_backward(ctx, grad_loss):
@@ -761,25 +879,28 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             )
         ctx.backward_done = True
         if grad_loss is None:
-            return (None,) * 6
-        dh, dw, db = ctx.saved_tensors
-        for grad in (dh, dw, db):
+            return (None,) * 5
+        grads = ctx.saved_tensors
+        for grad in grads:
             if grad is not None:
                 scale_inplace(grad, grad_loss, ctx.use_triton)
-        return dh, dw, db, None, None, None
+        return grads
 
     @staticmethod
     def _recompute_backward(ctx, grad_loss, grad_entropy):
-        hidden, weight, bias, labels, lse, entropy, row_index, *precomputed = ctx.saved_tensors
+        hidden, weight, bias, low_rank_hidden, low_rank_weight, labels, lse, entropy, row_index, *precomputed = (
+            ctx.saved_tensors
+        )
         if not ctx.has_entropy:
             grad_entropy = None
         if ctx.precomputed and grad_entropy is None and grad_loss is not None:
             ctx.precomputed = False  # scaled in place below: a second backward recomputes instead
             rows_grad = grad_loss.reshape(-1) if row_index is None else grad_loss.reshape(-1).index_select(0, row_index)
-            factor = _uniform_factor(rows_grad, labels, ctx.transform.ignore_index, precomputed[3])
+            factor = _uniform_factor(rows_grad, labels, ctx.transform.ignore_index, precomputed[-1])
             if factor is not None:
-                return (*(_rescaled(grad, factor, ctx.use_triton) for grad in precomputed[:3]), None, None, None)
-        dh, dw, db = chunked_backward(
+                return tuple(_rescaled(grad, factor, ctx.use_triton) for grad in precomputed[:-1])
+        low_rank = None if low_rank_hidden is None else LowRank(low_rank_hidden, low_rank_weight)
+        grads = chunked_backward(
             hidden,
             weight,
             bias,
@@ -794,5 +915,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             ctx.chunks,
             ctx.use_triton,
             ctx.shard,
+            low_rank,
+            tuple(ctx.needs_input_grad[6:8]),
         )
-        return dh, dw, db, None, None, None
+        return (*grads, None, None)[:5]

@@ -91,7 +91,7 @@ def _forward_op(
         lse = result.lse
         if result.row_index is not None:
             lse = torch.zeros(hidden.shape[0], dtype=lse.dtype, device=lse.device).index_copy_(0, result.row_index, lse)
-    dh, dw, db = result.grads or (None, None, None)
+    dh, dw, db = result.grads[:3] if result.grads else (None, None, None)
     return (
         result.loss,
         result.entropy if result.entropy is not None else empty(),

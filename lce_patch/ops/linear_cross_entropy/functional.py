@@ -96,6 +96,40 @@ def _check_inputs(hidden, weight, bias, labels) -> None:
             )
 
 
+def _low_rank_inputs(low_rank_hidden, low_rank_weight, hidden, weight) -> tuple | None:
+    """The low-rank term (checked, cast to ``hidden``'s compute dtype), or None when not given."""
+    if low_rank_hidden is None and low_rank_weight is None:
+        return None
+    if low_rank_hidden is None or low_rank_weight is None:
+        fail("low_rank_hidden and low_rank_weight go together: pass both or neither")
+    for name, value in (("low_rank_hidden", low_rank_hidden), ("low_rank_weight", low_rank_weight)):
+        if not isinstance(value, torch.Tensor):
+            fail(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+        if value.dtype not in _FLOAT_DTYPES:
+            fail(f"{name} has unsupported dtype {value.dtype}; expected a float dtype")
+        if value.device != hidden.device:
+            fail(f"{name} is on {value.device}, hidden on {hidden.device}: all inputs must be on one device")
+    rank = low_rank_weight.shape[-1] if low_rank_weight.dim() == 2 else None
+    if low_rank_weight.dim() != 2 or low_rank_weight.shape[0] != weight.shape[0] or rank == 0:
+        fail(
+            f"low_rank_weight must be a [V, r] tensor with V = {weight.shape[0]} and r >= 1, got {_shape(low_rank_weight)}"
+        )
+    if tuple(low_rank_hidden.shape) != (*hidden.shape[:-1], rank):
+        fail(
+            f"low_rank_hidden must have shape {(*hidden.shape[:-1], rank)} (hidden's with the rank r = {rank} of "
+            f"low_rank_weight last), got {_shape(low_rank_hidden)}"
+        )
+    # Cast like PEFT's LoRA output, which is added to the base layer's and returned in its dtype.
+    return low_rank_hidden.to(hidden.dtype).reshape(-1, rank), low_rank_weight.to(hidden.dtype)
+
+
+@torch.compiler.disable
+def _apply_eagerly(*args):
+    """The autograd Function outside the graph: a graph break under ``torch.compile`` (the custom operator
+    has no low-rank inputs)."""
+    return LinearCrossEntropyFunction.apply(*args)
+
+
 def _check_flag(name: str, value) -> None:
     if not isinstance(value, bool):
         fail(f"{name} must be a bool, got {value!r}")
@@ -152,6 +186,8 @@ def _run(hidden, weight, labels, *, vocab_shard=None, **kwargs):
     """The op on local tensors (:func:`_run_chunked`), or its vocabulary-parallel form for a weight
     sharded along the vocabulary: a DTensor (tensor parallelism) or a local shard with ``vocab_shard``."""
     if vocab_shard is not None or any(is_dtensor(t) for t in (hidden, weight, kwargs["bias"], labels)):
+        if kwargs.get("low_rank_hidden") is not None or kwargs.get("low_rank_weight") is not None:
+            fail("a low-rank term (LoRA on the head) is not supported with a vocabulary-sharded weight")
         return _run_vocab_parallel(hidden, weight, labels, vocab_shard, kwargs)
     return _run_chunked(hidden, weight, labels, shard=None, **kwargs)
 
@@ -195,6 +231,8 @@ def _run_chunked(
     skip_ignored=False,
     num_valid_tokens=None,
     precompute_grad=False,
+    low_rank_hidden=None,
+    low_rank_weight=None,
 ):
     """Checks, casts, shifts and flattens the inputs, then runs the chunked op: the autograd Function
     in eager mode, the custom operator under ``torch.compile`` (see custom_op.py).
@@ -215,6 +253,7 @@ def _run_chunked(
         _check_flag(name, flag)
 
     hidden, weight, bias = _compute_dtype(hidden, weight, bias)
+    low_rank = _low_rank_inputs(low_rank_hidden, low_rank_weight, hidden, weight)
     use_triton = resolve_backend(backend, hidden.device, hidden.dtype)
     out_shape = labels.shape
     labels = labels.long()
@@ -240,7 +279,7 @@ def _run_chunked(
         label_smoothing=float(label_smoothing),
         z_loss=float(z_loss),
     )
-    if torch.compiler.is_compiling() and shard is None:
+    if torch.compiler.is_compiling() and shard is None and low_rank is None:
         outputs = compiled_linear_cross_entropy(
             hidden_2d,
             weight,
@@ -269,8 +308,17 @@ def _run_chunked(
             num_valid_tokens=num_valid_tokens,
             precompute_grad=precompute_grad,
             shard=shard,
+            needs_low_rank_grad=(
+                (grad_on and low_rank[0].requires_grad, grad_on and low_rank[1].requires_grad)
+                if low_rank is not None
+                else (False, False)
+            ),
         )
-        outputs = LinearCrossEntropyFunction.apply(hidden_2d, weight, bias, labels, num_items, options)
+        inputs = (hidden_2d, weight, bias, labels, num_items, options, *(low_rank or ()))
+        if low_rank is not None and torch.compiler.is_compiling():
+            outputs = _apply_eagerly(*inputs)
+        else:
+            outputs = LinearCrossEntropyFunction.apply(*inputs)
     loss, *per_token = outputs
     if reduction is None:
         loss = loss.view(out_shape)
@@ -298,6 +346,8 @@ def fused_linear_cross_entropy(
     skip_ignored: bool = False,
     num_valid_tokens: int | None = None,
     vocab_shard: VocabShard | None = None,
+    low_rank_hidden: torch.Tensor | None = None,
+    low_rank_weight: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Cross-entropy of ``hidden @ weight.T + bias`` against ``labels`` without materializing the logits.
 
@@ -337,6 +387,13 @@ def fused_linear_cross_entropy(
             DTensor weight sharded along the vocabulary (``Shard(0)``, as transformers' ``tp_plan``
             makes the LM head) takes this path by itself, and a DTensor ``hidden`` (sequence
             parallelism) is gathered first. Runs eagerly (a graph break under ``torch.compile``).
+        low_rank_hidden, low_rank_weight: a low-rank term added to the logits,
+            ``low_rank_hidden @ low_rank_weight.T``, with low_rank_hidden [N, r] or [B, T, r] and
+            low_rank_weight [V, r], any float dtype (cast to hidden's): a LoRA adapter on the head is
+            ``low_rank_hidden = scale * lora_A(dropout(hidden))``, ``low_rank_weight = lora_B.weight``,
+            so the op never forms ``W + scale * B @ A``. Each chunk adds it in its logits GEMM; both get
+            gradients (``d low_rank_hidden = G @ B``, ``d low_rank_weight`` accumulated in fp32), and W
+            none when frozen. Not with ``vocab_shard``; a graph break under ``torch.compile``.
 
     Returns:
         fp32 0-d loss (or per-token losses for reduction="none"). A batch whose labels are all ignored
@@ -371,6 +428,8 @@ def fused_linear_cross_entropy(
         skip_ignored=skip_ignored,
         num_valid_tokens=num_valid_tokens,
         vocab_shard=vocab_shard,
+        low_rank_hidden=low_rank_hidden,
+        low_rank_weight=low_rank_weight,
     )
     return loss
 
@@ -396,6 +455,8 @@ def fused_linear_log_probs(
     num_valid_tokens: int | None = None,
     precompute_grad: bool = False,
     vocab_shard: VocabShard | None = None,
+    low_rank_hidden: torch.Tensor | None = None,
+    low_rank_weight: torch.Tensor | None = None,
 ) -> TokenOutputs:
     """Per-token target log-probabilities (and optionally entropy, argmax match, the mean logit and
     ``log(sum p**2)``) without the logits, all from the same pass over each chunk's logits.
@@ -418,6 +479,10 @@ def fused_linear_log_probs(
 
     ``vocab_shard``, or a DTensor ``weight`` sharded along the vocabulary (tensor parallelism): as in
     :func:`fused_linear_cross_entropy`, for ``log_probs``; the other outputs are refused there.
+
+    ``low_rank_hidden`` / ``low_rank_weight`` (a LoRA adapter on the head): as in
+    :func:`fused_linear_cross_entropy`; the logits above then include ``low_rank_hidden @ low_rank_weight.T``
+    inside the softcap.
 
     Shapes: hidden [N, D] or [B, T, D]; labels [N] or [B, T]; every output is shaped like labels.
     """
@@ -449,6 +514,8 @@ def fused_linear_log_probs(
         num_valid_tokens=num_valid_tokens,
         precompute_grad=precompute_grad,
         vocab_shard=vocab_shard,
+        low_rank_hidden=low_rank_hidden,
+        low_rank_weight=low_rank_weight,
     )
     return TokenOutputs(
         log_probs=-loss,
