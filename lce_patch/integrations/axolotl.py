@@ -72,10 +72,11 @@ def _conflicts(data: dict[str, Any]) -> list[str]:
         )
     if data.get("reward_model") or data.get("process_reward_model"):
         problems.append("reward models have a score head, not an LM head: there is no cross-entropy to fuse")
-    if _head_has_lora(data.get("lora_target_modules")):
+    if _head_has_lora(data.get("lora_target_modules")) and data.get("peft_use_dora"):
         problems.append(
-            "`lora_target_modules` puts a LoRA adapter on lm_head, which the fused loss cannot run yet; train the "
-            "head fully with `lora_modules_to_save: [lm_head]`, or leave it frozen"
+            "`lora_target_modules` with `peft_use_dora` puts a DoRA adapter on lm_head, which the fused loss does not "
+            "compute (plain LoRA on the head it does); keep lm_head out of the targets, or train it fully with "
+            "`lora_modules_to_save: [lm_head]`"
         )
     return problems
 

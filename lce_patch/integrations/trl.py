@@ -317,7 +317,7 @@ def _make_forward(
 
     skip_ignored = options.get("skip_ignored", LCEOptions.skip_ignored)
 
-    def score(weight, bias, hidden, labels, num_valid_tokens=None):
+    def score(weight, bias, hidden, labels, num_valid_tokens=None, low_rank=None):
         # Runs inside the lm_head module call (`head_call`), where FSDP / ZeRO-3 have gathered the weight
         autocast_ctx = nullcontext()
         if cast_fp32:
@@ -342,6 +342,8 @@ def _make_forward(
                 skip_ignored=skip_ignored and num_valid_tokens is None,
                 num_valid_tokens=num_valid_tokens,
                 precompute_grad=precompute_grad,
+                low_rank_hidden=low_rank[0] if low_rank is not None else None,
+                low_rank_weight=low_rank[1] if low_rank is not None else None,
                 **op_kwargs,
             )
 
@@ -378,7 +380,7 @@ def _make_forward(
         lm_head = self.get_output_embeddings()  # looked up per call: FSDP and PEFT replace it after patching
         device = lm_head.weight.device
         num_valid_tokens = read_valid_count() if read_valid_count is not None else None
-        per_token = head_call(lm_head, score, hidden.to(device), labels.to(device), num_valid_tokens)
+        per_token = head_call(lm_head, score, hidden.to(device), labels.to(device), num_valid_tokens, low_rank=True)
         log_probs, mask = per_token.log_probs, per_token.label_mask
         denominator = mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch
         loss = -log_probs.sum() / denominator

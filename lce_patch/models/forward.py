@@ -152,8 +152,15 @@ class LossJob:
     def _targets(self) -> tuple[torch.Tensor, bool]:
         return (self.shift_labels, False) if self.shift_labels is not None else (self.labels, True)
 
-    def run_head(self, weight: torch.Tensor, bias: torch.Tensor | None, hidden: torch.Tensor) -> torch.Tensor:
-        """The head's output while armed: the fused loss, behind a zero-width stand-in for the logits."""
+    def run_head(
+        self,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        hidden: torch.Tensor,
+        low_rank: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """The head's output while armed: the fused loss, behind a zero-width stand-in for the logits.
+        ``low_rank``: a LoRA adapter's term on the head (``head.head_operands``)."""
         if self.loss is not None:
             raise RuntimeError(
                 f"lce_patch: {self.model_name}'s LM head was called twice in one forward; the fused loss supports "
@@ -178,10 +185,15 @@ class LossJob:
             deterministic=self.options.deterministic,
             skip_ignored=self.options.skip_ignored and num_valid_tokens is None,
             num_valid_tokens=num_valid_tokens,
+            low_rank_hidden=low_rank[0] if low_rank is not None else None,
+            low_rank_weight=low_rank[1] if low_rank is not None else None,
         )
         self.loss = self._as_hugging_face(loss, targets, shift, num_valid_tokens)
         if self.want_logits:  # evaluation that keeps the logits: the head's real output, the loss still fused
-            return _head_logits(hidden, weight, bias)
+            logits = _head_logits(hidden, weight, bias)
+            if low_rank is not None:  # as PEFT adds it: in the adapter's dtype, then back to the head's
+                logits = (logits + low_rank[0] @ low_rank[1].t()).to(logits.dtype)
+            return logits
         return self.loss.expand(*hidden.shape[:-1], 0)
 
     def _as_hugging_face(
@@ -252,7 +264,9 @@ def ensure_slot(model: torch.nn.Module) -> JobSlot:
     are missing (first use, a head replaced by FSDP, PEFT or ``resize_token_embeddings``, a
     ``loss_function`` set after patching). Safe to call from several threads."""
     head = model.get_output_embeddings()
-    resolve_head_module(head)  # a LoRA layer put on the head after patching is refused, not skipped
+    resolve_head_module(
+        head
+    )  # an adapter the op cannot compute (DoRA, ...), put on the head after patching, is refused
     slot = model.__dict__.get(SLOT_ATTR)
     if slot is None:
         with _SLOT_LOCK:

@@ -8,11 +8,21 @@ of reading ``lm_head.weight`` behind the wrappers' back.
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Callable
 from typing import Any
 
 import torch
+
+
+def _lora_linear_class() -> type | None:
+    """PEFT's LoRA layer for ``nn.Linear`` (None when PEFT is absent)."""
+    try:
+        from peft.tuners.lora.layer import Linear
+    except ImportError:
+        return None
+    return Linear
 
 
 def _peft_classes() -> tuple[tuple[type, ...], tuple[type, ...], tuple[type, ...]]:
@@ -48,10 +58,11 @@ def _fsdp1_inner(module: torch.nn.Module) -> torch.nn.Module:
 
 
 def resolve_head_module(lm_head: torch.nn.Module) -> torch.nn.Module:
-    """The module whose weight the head uses right now: the active ``modules_to_save`` copy under PEFT.
+    """The module whose weight the head uses right now: the active ``modules_to_save`` copy under PEFT, or
+    a PEFT LoRA layer (its ``weight`` is the base layer's; :func:`head_operands` adds the adapters).
 
-    Raises ``NotImplementedError`` for a LoRA (or other PEFT tuner) layer on the head: reading its base
-    weight would silently skip the adapter.
+    Raises ``NotImplementedError`` for a PEFT adapter the fused loss cannot compute (DoRA and the other
+    LoRA variants, ``lora_bias``, tuners other than LoRA): reading the base weight would silently skip it.
     """
     modules_to_save, trainable_tokens, tuner_layers = _peft_classes()
     head = _fsdp1_inner(lm_head)
@@ -62,14 +73,75 @@ def resolve_head_module(lm_head: torch.nn.Module) -> torch.nn.Module:
         return head.modules_to_save[active[0]]
     if trainable_tokens and isinstance(head, trainable_tokens):
         return lm_head  # its ``weight`` attribute already merges the trained token rows
+    lora_linear = _lora_linear_class()
+    if lora_linear is not None and isinstance(head, lora_linear):
+        _check_lora_head(head)
+        return head
     if tuner_layers and isinstance(head, tuner_layers):
         raise NotImplementedError(
-            f"lce_patch: the LM head is a PEFT adapter layer ({type(head).__module__}.{type(head).__name__}, e.g. LoRA "
-            "with 'lm_head' in target_modules). The fused loss reads the head's weight and would silently skip "
-            "the adapter. Remove 'lm_head' from target_modules (train it fully with modules_to_save=['lm_head'] "
-            "instead), or do not patch this model."
+            f"lce_patch: the LM head is a PEFT adapter layer the fused loss does not support "
+            f"({type(head).__module__}.{type(head).__name__}); it supports LoRA on a Linear head. Reading the "
+            "head's weight would silently skip the adapter. Use LoRA on the head, remove 'lm_head' from "
+            "target_modules (or train it fully with modules_to_save=['lm_head']), or do not patch this model."
         )
     return lm_head
+
+
+def _active_lora_adapters(layer: torch.nn.Module) -> list[str]:
+    """The adapters whose term the LoRA layer adds in its forward right now (none when merged or disabled)."""
+    if layer.disable_adapters or layer.merged:
+        return []
+    return [name for name in layer.active_adapters if name in layer.lora_A.keys()]
+
+
+def _check_lora_head(layer: torch.nn.Module) -> None:
+    """Refuse what the fused low-rank term does not compute: LoRA variants (DoRA, ...) and ``lora_bias``."""
+    variants = getattr(layer, "lora_variant", {})
+    for name in _active_lora_adapters(layer):
+        if name in variants or getattr(layer, "use_dora", {}).get(name, False):
+            kind = "DoRA" if getattr(layer, "use_dora", {}).get(name, False) else type(variants[name]).__name__
+            raise NotImplementedError(
+                f"lce_patch: the LM head's LoRA adapter {name!r} is a {kind} adapter; the fused loss computes plain "
+                "LoRA on the head (rslora and lora_dropout included). Use plain LoRA on 'lm_head', train the head "
+                "with modules_to_save=['lm_head'], or keep 'lm_head' out of target_modules."
+            )
+        if getattr(layer, "lora_bias", {}).get(name, False):
+            raise NotImplementedError(
+                f"lce_patch: the LM head's LoRA adapter {name!r} has lora_bias=True, which the fused loss does not "
+                "compute; use lora_bias=False for the head, or keep 'lm_head' out of target_modules."
+            )
+
+
+def head_operands(
+    module: torch.nn.Module, hidden: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor | None, tuple[torch.Tensor, torch.Tensor] | None]:
+    """(weight, bias, low_rank) of the head module as called on ``hidden``: ``low_rank`` is None, or for a
+    PEFT LoRA layer with active unmerged adapters the op's low-rank term ``(low_rank_hidden [..., r],
+    low_rank_weight [V, r])``: ``scaling * lora_A(lora_dropout(hidden))`` and ``lora_B.weight``, in the
+    adapters' dtype, built with the layer's own modules as its forward does (the same dropout draws,
+    the same input cast; several active adapters side by side along r).
+
+    A disabled adapter on a merged layer is unmerged first, as PEFT's forward does."""
+    weight, bias = _head_params(module)
+    lora_linear = _lora_linear_class()
+    if lora_linear is None or not isinstance(module, lora_linear):
+        return weight, bias, None
+    _check_lora_head(module)
+    if module.disable_adapters and module.merged:
+        module.unmerge()
+        weight, bias = _head_params(module)
+    terms = []
+    for name in _active_lora_adapters(module):
+        lora_a, lora_b = module.lora_A[name], module.lora_B[name]
+        x = module._cast_input_dtype(hidden, lora_a.weight.dtype)
+        terms.append((lora_a(module.lora_dropout[name](x)) * module.scaling[name], lora_b.weight))
+    if not terms:
+        return weight, bias, None
+    if len(terms) == 1:
+        return weight, bias, terms[0]
+    dtype = functools.reduce(torch.promote_types, (t[0].dtype for t in terms))
+    low_hidden = torch.cat([t[0].to(dtype) for t in terms], dim=-1)
+    return weight, bias, (low_hidden, torch.cat([t[1].to(dtype) for t in terms], dim=1))
 
 
 def _head_params(module: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -92,30 +164,42 @@ def _forward_attr(module: torch.nn.Module) -> str:
     return "_old_forward" if "_old_forward" in module.__dict__ else "forward"
 
 
-def head_call(lm_head: torch.nn.Module, fn: Callable[..., Any], *args: Any) -> Any:
-    """Run ``fn(weight, bias, *args)`` inside the call of the ``lm_head`` module.
+def head_call(lm_head: torch.nn.Module, fn: Callable[..., Any], *args: Any, low_rank: bool = False) -> Any:
+    """Run ``fn(weight, bias, *args)`` inside the call of the ``lm_head`` module; ``args[0]`` is the
+    hidden states the head is called on.
 
     The head module's ``forward`` is redirected for this one call, so FSDP1/FSDP2/ZeRO-3 hooks gather
     the weight before ``fn`` runs and register their backward hooks on its output. ``weight`` and
     ``bias`` are read inside the call (the gathered tensors). A PEFT ``ModulesToSaveWrapper`` resolves to
-    its active copy; a LoRA layer on the head raises ``NotImplementedError``. Tensor arguments should
-    be passed in ``args`` (not captured by ``fn``) when the hooks must see them, e.g. to cast inputs.
+    its active copy. With ``low_rank=True`` ``fn`` also gets ``low_rank=`` (:func:`head_operands`: a
+    LoRA layer's term, or None); without it a LoRA layer with active adapters raises
+    ``NotImplementedError``. Tensor arguments should be passed in ``args`` (not captured by ``fn``)
+    when the hooks must see them, e.g. to cast inputs.
     """
     module = resolve_head_module(lm_head)
     inner = _fsdp1_inner(module)
+
+    def call_fn(*call_args: Any) -> Any:
+        weight, bias, term = head_operands(inner, call_args[0])
+        if low_rank:
+            return fn(weight, bias, *call_args, low_rank=term)
+        if term is not None:
+            raise NotImplementedError(
+                f"lce_patch: the LM head carries a LoRA adapter ({type(inner).__name__}), which this fused loss "
+                "does not compute; keep 'lm_head' out of target_modules (or train it with "
+                "modules_to_save=['lm_head']) for this trainer."
+            )
+        return fn(weight, bias, *call_args)
+
     if torch.compiler.is_compiling():
         # dynamo cannot trace a module whose ``forward`` is swapped for one call; a compiled model
         # reads the head's parameters directly (FSDP/ZeRO-3 with a compiled patched model: not verified).
-        return fn(*_head_params(inner), *args)
-
-    def redirected(*call_args: Any) -> Any:
-        weight, bias = _head_params(inner)
-        return fn(weight, bias, *call_args)
+        return call_fn(*args)
 
     attr = _forward_attr(inner)
     had_own = attr in inner.__dict__
     previous = inner.__dict__.get(attr)
-    setattr(inner, attr, redirected)
+    setattr(inner, attr, call_fn)
     try:
         return module(*args)
     finally:
@@ -200,8 +284,8 @@ class InterceptingForward:
                 f"lce_patch: the LM head was called with {len(args)} positional and {sorted(kwargs)} keyword "
                 "arguments; the fused loss expects it to be called on the hidden states alone"
             )
-        weight, bias = _head_params(module)
-        return job.run_head(weight, bias, args[0])
+        weight, bias, low_rank = head_operands(module, args[0])
+        return job.run_head(weight, bias, args[0], low_rank)
 
 
 def install_interceptor(head: torch.nn.Module, slot: JobSlot) -> None:

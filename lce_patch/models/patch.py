@@ -20,7 +20,15 @@ from .forward import (
     make_forward,
     unpatched,
 )
-from .head import SLOT_ATTR, _peft_classes, head_leaves, remove_interceptor, resolve_head_module, unwrap_causal_lm
+from .head import (
+    SLOT_ATTR,
+    _lora_linear_class,
+    _peft_classes,
+    head_leaves,
+    remove_interceptor,
+    resolve_head_module,
+    unwrap_causal_lm,
+)
 from .registry import REGISTRY, UNSUPPORTED, ArchSpec, HeadConfig, derived_spec
 
 _MISSING = object()
@@ -80,14 +88,22 @@ def _is_registered(model: torch.nn.Module) -> bool:
 
 
 def _plain_linear_head(model: torch.nn.Module) -> bool:
-    """Whether every module computing the head runs ``torch.nn.Linear.forward`` (or PEFT's trainable tokens)."""
+    """Whether every module computing the head runs ``torch.nn.Linear.forward`` (or is PEFT's trainable tokens,
+    or PEFT's LoRA layer over a Linear)."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if not isinstance(head, torch.nn.Module):
         return False
     _, trainable_tokens, _ = _peft_classes()
     if trainable_tokens and isinstance(head, trainable_tokens):
         return True
-    return all(type(leaf).forward is torch.nn.Linear.forward for leaf in head_leaves(head))
+    lora_linear = _lora_linear_class()
+
+    def plain(leaf: torch.nn.Module) -> bool:
+        if lora_linear is not None and isinstance(leaf, lora_linear):
+            leaf = leaf.get_base_layer()
+        return type(leaf).forward is torch.nn.Linear.forward
+
+    return all(plain(leaf) for leaf in head_leaves(head))
 
 
 def _spec_for(model: torch.nn.Module) -> ArchSpec:
@@ -141,7 +157,7 @@ def apply_fused_lce(model_or_model_type: Any, **options: Any) -> Any:
         head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
         if not isinstance(head, torch.nn.Module):
             raise _unsupported(f"{type(model).__name__}: it has no output embedding (get_output_embeddings());")
-        weight = getattr(resolve_head_module(head), "weight", None)  # refuses a LoRA layer on the head now
+        weight = getattr(resolve_head_module(head), "weight", None)  # refuses an adapter the op cannot compute
         if isinstance(weight, torch.Tensor) and not weight.is_floating_point():
             raise ValueError(
                 f"lce_patch: {type(model).__name__}'s LM head is quantized ({type(head).__module__}."

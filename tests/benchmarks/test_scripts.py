@@ -27,6 +27,7 @@ SCRIPTS = [
     "bench_divergence.py",
     "distill_e2e.py",
     "chunk_sweep.py",
+    "bench_lora_head.py",
     "plot_results.py",
     "research/probe_gemm_epilogue.py",
     "research/schedule_bound.py",
@@ -144,6 +145,17 @@ def test_distill_e2e_tiny_on_cpu(tmp_path):
     runs = json.loads(out.read_text())["results"]
     assert runs["lce_patch"]["losses"] == pytest.approx(runs["trl"]["losses"], rel=1e-4)
     assert runs["lce_patch"]["entropy"] == pytest.approx(runs["trl"]["entropy"], rel=1e-4)
+
+
+def test_bench_lora_head_tiny_on_cpu(tmp_path):
+    # the fused LoRA head against PEFT's unfused one and an fp32 reference, on a tiny fp32 shape
+    out = tmp_path / "lora_head.json"
+    result = _run(["bench_lora_head.py", "--tiny", "--out", str(out)], tmp_path)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
+    rows = {row["method"]: row for row in json.loads(out.read_text())["rows"]}
+    assert not any("error" in row for row in rows.values()), rows
+    for key in ("loss_rel_err", "dh_rel_l2", "dA_rel_l2", "dB_rel_l2"):
+        assert rows["lce_patch_lora"][key] < 1e-5, (key, rows["lce_patch_lora"])
 
 
 def test_qlora_check_tiny_on_cpu(tmp_path):

@@ -169,7 +169,9 @@ REFUSED = {
         plugins=["axolotl.integrations.liger.LigerPlugin", PLUGIN], liger_fused_linear_cross_entropy=True
     ),
     "chunked_cross_entropy": dict(chunked_cross_entropy=True),
-    "lora_on_head": dict(adapter="lora", lora_r=4, lora_alpha=8, lora_target_modules=["q_proj", "lm_head"]),
+    "dora_on_head": dict(
+        adapter="lora", lora_r=4, lora_alpha=8, peft_use_dora=True, lora_target_modules=["q_proj", "lm_head"]
+    ),
 }
 
 
@@ -201,6 +203,11 @@ def main() -> None:
         "gemma2_full": (paths["gemma2"], {}, {}),
         "gemma2_lora": (paths["gemma2"], lora, {}),
         "llama_qlora": (paths["llama"], dict(lora, adapter="qlora", load_in_4bit=True), {}),
+        "llama_lora_on_head": (
+            paths["llama"],
+            dict(lora, lora_target_linear=False, lora_target_modules=["q_proj", "v_proj", "lm_head"]),
+            {},
+        ),
     }
     results: dict = {"errors": {}}
     for name, (model_path, overrides, _) in runs.items():

@@ -48,7 +48,9 @@ def runs(tmp_path_factory) -> dict:
     return results
 
 
-@pytest.mark.parametrize("name", ["llama_full", "llama_lora", "gemma2_full", "gemma2_lora", "llama_qlora"])
+@pytest.mark.parametrize(
+    "name", ["llama_full", "llama_lora", "gemma2_full", "gemma2_lora", "llama_qlora", "llama_lora_on_head"]
+)
 def test_plugin_trains_like_axolotl_without_it(runs, name):
     run = runs[name]
     assert run["patched"]
@@ -84,13 +86,13 @@ def test_plugin_listed_but_switched_off_does_nothing(runs):
 
 
 @pytest.mark.parametrize(
-    "name", ["cut_cross_entropy", "liger_fused_linear_cross_entropy", "chunked_cross_entropy", "lora_on_head"]
+    "name", ["cut_cross_entropy", "liger_fused_linear_cross_entropy", "chunked_cross_entropy", "dora_on_head"]
 )
 def test_conflicting_configurations_are_refused_at_validation(runs, name):
     message = runs["refused"][name]
     assert message is not None, f"{name}: the config was accepted"
     assert "lce_patch: this configuration cannot train with the fused loss" in message
-    key = "lora_target_modules" if name == "lora_on_head" else name
+    key = "peft_use_dora" if name == "dora_on_head" else name
     assert f"`{key}`" in message
 
 

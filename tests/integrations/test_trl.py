@@ -137,6 +137,44 @@ def test_head_options_match_trl(head_kwargs):
     assert_same(theirs, ours, g_theirs, g_ours)
 
 
+@pytest.mark.parametrize("kind", ["llama", "gemma2"])
+def test_lora_on_the_head_enters_the_fused_head(kind):
+    """TRL's own fused head reads ``lm_head.weight``, which under a LoRA layer is the base weight: the
+    adapter is skipped. lce_patch's adds the adapter's term; the reference here is the model's own
+    unfused logits (LoRA term and softcap included), log-softmaxed in float64."""
+    peft = pytest.importorskip("peft")
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "lm_head"], init_lora_weights=False)
+    reference = make_model(kind)  # built, not copied: TRL's head binds its model
+    torch.manual_seed(0)
+    reference = peft.get_peft_model(reference, config)
+    model = make_model(kind)
+    add_fused_lm_head(model, outputs=SFT_OUTPUTS)
+    torch.manual_seed(0)
+    ours = peft.get_peft_model(model, config)
+    assert maybe_install_trl_head(ours.get_base_model(), {}) is True
+    ids, labels, mask = batch(2)
+    with spies() as s:
+        out, grads = run(ours, input_ids=ids, attention_mask=mask, labels=labels)
+        assert s.ours.call_count == 1 and s.theirs.call_count == 0
+
+    reference.zero_grad(set_to_none=True)
+    logits = reference(input_ids=ids, attention_mask=mask).logits[:, :-1].double()
+    targets = labels[:, 1:]
+    valid = targets != -100
+    log_p = logits.log_softmax(-1)
+    log_probs = log_p.gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1) * valid
+    entropy = -(log_p.exp() * log_p).sum(-1) * valid
+    w = torch.linspace(0.5, 1.5, log_probs.numel(), dtype=torch.float64).view_as(log_probs)
+    loss = -log_probs.sum() / valid.sum()
+    (loss + (w * log_probs).sum() * 0.1 + 0.3 * (w.flip(-1) * entropy).sum()).backward()
+    torch.testing.assert_close(out.log_probs.double(), log_probs, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out.entropy.double(), entropy, atol=1e-5, rtol=1e-5)
+    ref_grads = {n: p.grad for n, p in reference.named_parameters() if p.grad is not None}
+    assert grads.keys() == ref_grads.keys() and any("lm_head.lora_B" in n for n in grads)
+    for name in grads:
+        torch.testing.assert_close(grads[name], ref_grads[name].to(grads[name].dtype), atol=1e-5, rtol=1e-4, msg=name)
+
+
 def test_all_ignored_batch_is_a_differentiable_zero():
     trl_model, our_model = trl_and_ours("llama")
     ids, labels, mask = batch()
