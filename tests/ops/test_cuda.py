@@ -16,6 +16,8 @@ import torch
 from lce_patch import fused_linear_cross_entropy
 
 from .test_linear_cross_entropy import OPTION_SETS, check_against_reference
+from .test_linear_cross_entropy_low_rank import OPTION_SETS as LOW_RANK_OPTION_SETS
+from .test_linear_cross_entropy_low_rank import check_low_rank
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 CUDA = torch.device("cuda")
@@ -46,6 +48,20 @@ def test_triton_half_precision(dtype, tol, options):
 def test_triton_skipping_ignored_rows(dtype, tol, options):
     # make_inputs ignores every 5th of the 300 rows: 240 remain.
     check_against_reference(options, backend="triton", dtype=dtype, tol=tol, device=CUDA, size=SIZE, chunk_size=128)
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("weight_trainable", [False, True], ids=["frozen_weight", "trainable_weight"])
+@pytest.mark.parametrize(
+    "options", LOW_RANK_OPTION_SETS, ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()) or "default"
+)
+def test_triton_low_rank_term(dtype, tol, weight_trainable, options):
+    # LoRA on the head: fp32 adapters beside an fp32 or bf16 head; a trainable W puts dW (and the
+    # low-rank gradients) on the side stream
+    size = {"n": 300, "d": 72, "v": 5003, "rank": 8}
+    check_low_rank(
+        options, backend="triton", weight_trainable=weight_trainable, device=CUDA, dtype=dtype, tol=tol, size=size
+    )
 
 
 def test_no_host_sync_on_the_cuda_path():

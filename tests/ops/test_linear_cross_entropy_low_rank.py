@@ -60,11 +60,9 @@ OPTION_SETS = [
 ]
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("weight_trainable", [False, True], ids=["frozen_weight", "trainable_weight"])
-@pytest.mark.parametrize("options", OPTION_SETS, ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()) or "default")
-def test_matches_float64_reference(backend, weight_trainable, options):
-    hidden, weight, lora_a, lora_b, labels, bias = make_lora_inputs(bias=True)
+def check_low_rank(options, *, backend, weight_trainable, device=DEVICE, dtype=torch.float32, tol=1e-5, size=None):
+    """The op with a LoRA-built low-rank term against the float64 concatenation, every gradient."""
+    hidden, weight, lora_a, lora_b, labels, bias = make_lora_inputs(bias=True, **(size or {}))
     trainable = (True, weight_trainable, True, True, True)
     ref_leaves = leaves((hidden, weight, lora_a, lora_b, bias), torch.float64, trainable)
     ref_options = {k: v for k, v in options.items() if k != "skip_ignored"}
@@ -73,27 +71,36 @@ def test_matches_float64_reference(backend, weight_trainable, options):
     wanted = [t for t in ref_leaves if t is not None and t.requires_grad]
     ref_grads = torch.autograd.grad(ref, wanted, upstream)
 
-    h, w, a, b_up, b = leaves((hidden, weight, lora_a, lora_b, bias), torch.float32, trainable)
+    h, w, b = (t.to(device, dtype).detach() for t in (hidden, weight, bias))
+    h.requires_grad_(), w.requires_grad_(weight_trainable), b.requires_grad_()
+    a, b_up = (t.to(device, torch.float32).detach().requires_grad_() for t in (lora_a, lora_b))  # PEFT's fp32
     out = fused_linear_cross_entropy(
         h,
         w,
-        labels,
+        labels.to(device),
         bias=b,
-        low_rank_hidden=SCALE * h @ a.t(),
+        low_rank_hidden=SCALE * h.float() @ a.t(),
         low_rank_weight=b_up,
         backend=backend,
-        chunk_size=8,
+        chunk_size=8 if size is None else 128,
         **options,
     )
     assert out.dtype == torch.float32 and out.shape == ref.shape
-    out.backward(upstream.float())
-    assert rel_err(out, ref) < 1e-5
+    out.backward(upstream.to(device, torch.float32))
+    assert rel_err(out, ref) < tol
     got = [t for t in (h, w, a, b_up, b) if t.requires_grad]
     for name, tensor, want in zip(("hidden", "weight", "A", "B", "bias"), got, ref_grads):
-        assert tensor.grad is not None and tensor.grad.dtype == torch.float32, name
-        assert rel_err(tensor.grad, want) < 1e-5, (name, rel_err(tensor.grad, want))
+        assert tensor.grad is not None, name
+        assert rel_err(tensor.grad, want) < tol, (name, rel_err(tensor.grad, want))
     if not weight_trainable:
         assert w.grad is None
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("weight_trainable", [False, True], ids=["frozen_weight", "trainable_weight"])
+@pytest.mark.parametrize("options", OPTION_SETS, ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()) or "default")
+def test_matches_float64_reference(backend, weight_trainable, options):
+    check_low_rank(options, backend=backend, weight_trainable=weight_trainable)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
