@@ -18,7 +18,7 @@ Methods:
     the alternative to LoRA on the head (optimizer state for a V x D copy not counted).
 
 Per method: fwd+bwd median (``triton.testing.do_bench``, gradients reset outside the timed region), peak
-memory of one fwd+bwd above the inputs, and the relative L2 error of the loss and of dh, dA, dB against an
+memory of one fwd+bwd above the inputs (the gradients it produces included: dW for the full head), and the relative L2 error of the loss and of dh, dA, dB against an
 fp32 reference (the unfused computation in fp32, TF32 off).
 
     python3 benchmarks/bench_lora_head.py                     # Llama-3-8B head, N 8192, r 16 and 64
@@ -117,6 +117,8 @@ def run_method(method, h, w, a, b, y, ref, device, warmup_only=False):
             for name, got, want in zip(("dh", "dA", "dB"), (h.grad, a.grad, b.grad), ref[1]):
                 row[f"{name}_rel_l2"] = rel_l2(got, want)
         del loss
+        for t in inputs:  # the peak below counts the gradients each method produces, as bench_lce.py does
+            t.grad = None
         free()
         if device.type == "cuda":
             base = torch.cuda.memory_allocated()
