@@ -401,7 +401,9 @@ def test_default_chunk_rows_fill_the_gpu_for_thin_hidden_sizes():
     assert rows(2100, 4096, 128256) == 768  # D >= 4096: 3 even chunks, as before (no thin-D fill rows)
     assert rows(1000, 2304, 256000) == 1000  # never more rows than there are
     assert rows(7022, 2304, 256000, num_sms=None) == 1024  # unknown GPU: the 1024-row floor only
-    assert rows(70001, 4096, 128256) == 4480  # at most 16 bf16 roundings of dW: 16 chunks
+    assert rows(70001, 4096, 128256) == 4608  # at most 16 bf16 roundings of dW: 16 chunks, of 256-row multiples
+    assert rows(112347, 2304, 256000) == 7168  # not 7040 (55 x 128), which cuBLAS runs slowly on Gemma-2's head
+    assert rows(131072, 4096, 128256) == 8192
     assert default_chunk_rows(7022, 256000, torch.bfloat16, False, 2304, 132) < 1024  # torch backend: budget
 
 

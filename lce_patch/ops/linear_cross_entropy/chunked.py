@@ -74,6 +74,12 @@ GEMM_TILE_ELEMENTS = 128 * 256
 # Chunk sizes are multiples of 128 rows (cuBLAS's tile height): 1008-row chunks ran 2-3% slower than
 # 1024-row ones forward+backward and 6-8% slower forward-only on the Llama-3 and Qwen2.5 shapes.
 CHUNK_ROW_MULTIPLE = 128
+# Long chunks (the N/16 rule below, at 100k+ tokens) are multiples of 256 rows: on the H100 the Gemma-2
+# head (V 256,000, D 2,304) at N = 131,072 ran 7,040-row chunks (55 x 128) at 685.8 ms with skip_ignored and
+# 823.3 ms without, against 626.6-641.2 ms and 723.8-747.1 ms for 6,912, 7,168, 7,424, 7,680 and 8,192
+# rows (multiples of 256) of the same data: cuBLAS picks a slow kernel for that odd multiple of 128.
+LARGE_CHUNK_ROWS = 2048
+LARGE_CHUNK_ROW_MULTIPLE = 256
 # A bf16 dW is rounded once per chunk as the chunks' products are added into it. Past ~16 chunks
 # those roundings exceed the unfused path's own gradient error (measured on the H100: N=70001
 # in 69 chunks gave a dW error of 1.2e-2 vs 2.1e-3 in one chunk), so the default chunk grows with
@@ -114,7 +120,7 @@ def default_chunk_rows(
     to fill the GPU, and few enough chunks that a bf16 dW is rounded at most ``MAX_BF16_DW_CHUNKS``
     times; plus as many rows as ``spare_bytes`` hold (a forward without gradients passes the bytes of
     the dW it does not allocate); then the fewest chunks of that size, made as even as multiples of
-    128 rows allow."""
+    128 rows allow (256 for chunks of more than ``LARGE_CHUNK_ROWS`` rows in training)."""
     tile = CHUNK_ROW_MULTIPLE
     element_size = torch.finfo(dtype).bits // 8
     bytes_per_row = vocab_size * (element_size if use_triton else element_size + _TORCH_TEMPORARIES_PER_LOGIT)
@@ -142,6 +148,8 @@ def default_chunk_rows(
         # GEMM leaving SMs idle (NOTES v17: Qwen2.5 at N = 8192, 7 x 1152 + 128 rows ran 1.2 ms faster
         # than 8 x 1024; Gemma-2 4 x 1792 + 1024 1.1 ms faster than 5 x 1664).
         rows = min(rows, max(_round_up(-(-num_rows // chunks), tile if use_triton else 16), fill_rows))
+    if use_triton and not spare_bytes and LARGE_CHUNK_ROWS < rows < num_rows:  # rounded up: never more chunks
+        rows = min(_round_up(rows, LARGE_CHUNK_ROW_MULTIPLE), num_rows)
     return rows
 
 
