@@ -7,10 +7,14 @@ the same batches under bf16 autocast (as ``Trainer(bf16=True)`` does). Reports t
 LoRA gradients' relative error (patched vs unpatched, first step), the dtype the head arrives in, peak
 memory of a step and the median step time.
 
+``--lora-on-head`` puts LoRA on ``lm_head`` too (the fused low-rank term: the head's LoRA gradients are
+then among those compared); ``--no-quant`` loads the base in bf16 instead of nf4 (plain LoRA).
+
     python3 benchmarks/qlora_check.py [--model llama-3.2-1b] [--seq-len 4096] [--batch 2] [--steps 6]
+    python3 benchmarks/qlora_check.py --lora-on-head [--no-quant]
     python3 benchmarks/qlora_check.py --tiny      # a tiny model on the CPU (smoke test of the script)
 
-Needs bitsandbytes and peft. JSON to --out (default $OUT/qlora_check.json or runs/qlora_check.json).
+Needs peft, and bitsandbytes unless ``--no-quant``. JSON to --out (default $OUT/qlora_check.json or runs/qlora_check.json).
 """
 
 from __future__ import annotations
@@ -58,23 +62,30 @@ def _build(name: str, path: Path) -> int:
     return model.config.vocab_size
 
 
-def _load(path: Path, device: str, lora_rank: int):
+def _load(path: Path, device: str, lora_rank: int, lora_on_head: bool = False, quantize: bool = True):
     import peft
     import torch
-    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+    from transformers import AutoModelForCausalLM
 
-    quantization = BitsAndBytesConfig(
-        load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.bfloat16
-    )
-    model = AutoModelForCausalLM.from_pretrained(
-        path, quantization_config=quantization, dtype=torch.bfloat16, device_map=device
-    )
-    model = peft.prepare_model_for_kbit_training(model, use_gradient_checkpointing=True)
+    if quantize:
+        from transformers import BitsAndBytesConfig
+
+        quantization = BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.bfloat16
+        )
+        model = AutoModelForCausalLM.from_pretrained(
+            path, quantization_config=quantization, dtype=torch.bfloat16, device_map=device
+        )
+        model = peft.prepare_model_for_kbit_training(model, use_gradient_checkpointing=True)
+    else:  # plain LoRA on a bf16 model
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, device_map=device)
+        model.gradient_checkpointing_enable()
+        model.enable_input_require_grads()
     torch.manual_seed(1)
     lora = peft.LoraConfig(
         r=lora_rank,
         lora_alpha=2 * lora_rank,
-        target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
+        target_modules=["q_proj", "k_proj", "v_proj", "o_proj"] + (["lm_head"] if lora_on_head else []),
         init_lora_weights=False,
     )
     return peft.get_peft_model(model, lora)
@@ -87,6 +98,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--lora-rank", type=int, default=16)
+    parser.add_argument("--lora-on-head", action="store_true", help="LoRA on lm_head too (fused by lce_patch)")
+    parser.add_argument("--no-quant", action="store_true", help="a bf16 base instead of nf4 (plain LoRA)")
     parser.add_argument("--tiny", action="store_true", help="a tiny model on the CPU")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
@@ -99,7 +112,15 @@ def main() -> None:
     name = "tiny" if args.tiny else args.model
     seq_len = 64 if args.tiny else args.seq_len
     steps = 3 if args.tiny else args.steps
-    results: dict = {"model": name, "seq_len": seq_len, "batch": args.batch, "lora_rank": args.lora_rank, "runs": {}}
+    results: dict = {
+        "model": name,
+        "seq_len": seq_len,
+        "batch": args.batch,
+        "lora_rank": args.lora_rank,
+        "lora_on_head": args.lora_on_head,
+        "quantized": not args.no_quant,
+        "runs": {},
+    }
     grads = {}
     with tempfile.TemporaryDirectory() as tmp:
         vocab = _build(name, Path(tmp))
@@ -108,7 +129,7 @@ def main() -> None:
         generator = torch.Generator().manual_seed(2)
         batches = [torch.randint(0, vocab, (args.batch, seq_len), generator=generator) for _ in range(steps)]
         for setup in ("unpatched", "patched"):
-            model = _load(Path(tmp), device, args.lora_rank)
+            model = _load(Path(tmp), device, args.lora_rank, args.lora_on_head, not args.no_quant)
             head = model.get_base_model().lm_head
             if setup == "patched":
                 lce_patch.apply_fused_lce(model)
@@ -154,7 +175,7 @@ def main() -> None:
         "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
         "lce_patch": lce_patch.__version__,
     }
-    for module in ("transformers", "peft", "bitsandbytes"):
+    for module in ("transformers", "peft") + (() if args.no_quant else ("bitsandbytes",)):
         results["env"][module] = __import__(module).__version__
     text = json.dumps(results, indent=1)
     print(text)
