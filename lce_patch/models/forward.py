@@ -264,9 +264,8 @@ def ensure_slot(model: torch.nn.Module) -> JobSlot:
     are missing (first use, a head replaced by FSDP, PEFT or ``resize_token_embeddings``, a
     ``loss_function`` set after patching). Safe to call from several threads."""
     head = model.get_output_embeddings()
-    resolve_head_module(
-        head
-    )  # an adapter the op cannot compute (DoRA, ...), put on the head after patching, is refused
+    # an adapter the op cannot compute (DoRA, ...), put on the head after patching, is refused here
+    resolve_head_module(head)
     slot = model.__dict__.get(SLOT_ATTR)
     if slot is None:
         with _SLOT_LOCK:

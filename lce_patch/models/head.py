@@ -133,7 +133,8 @@ def head_operands(
     terms = []
     for name in _active_lora_adapters(module):
         lora_a, lora_b = module.lora_A[name], module.lora_B[name]
-        x = module._cast_input_dtype(hidden, lora_a.weight.dtype)
+        cast = getattr(module, "_cast_input_dtype", None)  # PEFT >= 0.15; before, a plain cast
+        x = cast(hidden, lora_a.weight.dtype) if cast is not None else hidden.to(lora_a.weight.dtype)
         terms.append((lora_a(module.lora_dropout[name](x)) * module.scaling[name], lora_b.weight))
     if not terms:
         return weight, bias, None
