@@ -204,7 +204,11 @@ def _logits_into(
 
 
 def _addmm_fp32(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """``acc += a @ b`` into an fp32 ``acc`` without rounding the product to the inputs' dtype."""
+    """``acc += a @ b`` into an fp32 (or, for fp64 inputs, fp64) ``acc`` without rounding the product to the
+    inputs' dtype."""
+    if a.dtype == acc.dtype:
+        acc.addmm_(a, b)
+        return
     if acc.device.type == "cuda" and a.dtype != torch.float32:
         try:
             torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
@@ -368,10 +372,7 @@ class _GradAccumulator:
     def _add_weight_grads(self, grad_chunk: torch.Tensor, hidden_chunk: torch.Tensor, rows) -> None:
         # The low-rank term's gradients first: with a row selection G's memory is reused after the GEMMs.
         if self.d_low_rank_weight is not None:
-            if self.d_low_rank_weight.dtype == grad_chunk.dtype:  # fp32, fp64
-                self.d_low_rank_weight.addmm_(grad_chunk.t(), self.low_rank.rows(rows))
-            else:
-                _addmm_fp32(self.d_low_rank_weight, grad_chunk.t(), self.low_rank.rows(rows))
+            _addmm_fp32(self.d_low_rank_weight, grad_chunk.t(), self.low_rank.rows(rows))
         if self.d_low_rank_hidden is not None:
             if isinstance(rows, slice):
                 torch.mm(grad_chunk, self.low_rank.weight, out=self.d_low_rank_hidden[rows])
@@ -744,9 +745,9 @@ def chunked_backward(
     the (start, stop) row spans ``chunks`` (:func:`resolve_chunks`).
 
     ``row_labels``, ``lse`` and ``entropy`` are of the processed rows (``row_index``, or all);
-    ``grad_loss`` and ``grad_entropy`` (None: no gradient) are of all N rows. Returns (dh, dw, db).
-    With ``shard``, ``row_labels`` are shard ids, ``lse`` the whole vocabulary's, and dh is summed
-    over the shard's group. With ``low_rank`` also returns (d of its hidden, d of its weight).
+    ``grad_loss`` and ``grad_entropy`` (None: no gradient) are of all N rows. Returns (dh, dw, db,
+    d of the low-rank term's hidden, d of its weight), None where not needed. With ``shard``,
+    ``row_labels`` are shard ids, ``lse`` the whole vocabulary's, and dh is summed over the shard's group.
     """
     with torch.autocast(hidden.device.type, enabled=False):
         if row_index is not None:  # only the processed rows have gradients
@@ -784,9 +785,7 @@ def chunked_backward(
         dh, dw, db = grads.results(weight.dtype, bias.dtype if bias is not None else None)
         if shard is not None and dh is not None:
             all_reduce_sum(dh, shard)
-        if low_rank is not None:
-            return dh, dw, db, *grads.low_rank_results()
-        return dh, dw, db
+        return dh, dw, db, *grads.low_rank_results()
 
 
 def _refuse_double_backward() -> None:
@@ -926,4 +925,4 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             low_rank,
             tuple(ctx.needs_input_grad[6:8]),
         )
-        return (*grads, None, None)[:5]
+        return grads
