@@ -6,6 +6,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 env=.ci-deps/axolotl
 python3 -m venv "$env"
-"$env/bin/python" -m pip install -q --upgrade pip
-"$env/bin/python" -m pip install -q torch==2.13.0  # the CPU build first, as for the main environment
-AXOLOTL_DO_NOT_TRACK=1 "$env/bin/python" -m pip install -q axolotl==0.19.0
+pins=.ci/axolotl-constraints.txt  # refreshed by .ci/pin.sh
+"$env/bin/python" -m pip install -q -c "$pins" --upgrade pip
+"$env/bin/python" -m pip install -q -c "$pins" torch  # the CPU build first, as for the main environment
+AXOLOTL_DO_NOT_TRACK=1 "$env/bin/python" -m pip install -q -c "$pins" axolotl

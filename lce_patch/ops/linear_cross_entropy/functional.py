@@ -387,13 +387,14 @@ def fused_linear_cross_entropy(
             DTensor weight sharded along the vocabulary (``Shard(0)``, as transformers' ``tp_plan``
             makes the LM head) takes this path by itself, and a DTensor ``hidden`` (sequence
             parallelism) is gathered first. Runs eagerly (a graph break under ``torch.compile``).
-        low_rank_hidden, low_rank_weight: a low-rank term added to the logits,
-            ``low_rank_hidden @ low_rank_weight.T``, with low_rank_hidden [N, r] or [B, T, r] and
-            low_rank_weight [V, r], any float dtype (cast to hidden's): a LoRA adapter on the head is
-            ``low_rank_hidden = scale * lora_A(dropout(hidden))``, ``low_rank_weight = lora_B.weight``,
-            so the op never forms ``W + scale * B @ A``. Each chunk adds it in its logits GEMM; both get
-            gradients (``d low_rank_hidden = G @ B``, ``d low_rank_weight`` accumulated in fp32), and W
-            none when frozen. Not with ``vocab_shard``; a graph break under ``torch.compile``.
+        low_rank_hidden: [N, r] or [B, T, r], the left factor of a low-rank term added to the logits,
+            ``low_rank_hidden @ low_rank_weight.T``; any float dtype (cast to hidden's). A LoRA adapter
+            on the head is ``low_rank_hidden = scale * lora_A(dropout(hidden))``, ``low_rank_weight =
+            lora_B.weight``, so the op never forms ``W + scale * B @ A``. Each chunk adds the term in its
+            logits GEMM; both factors get gradients (``d low_rank_hidden = G @ B``, ``d low_rank_weight``
+            accumulated in fp32), and W none when frozen. Not with ``vocab_shard``; a graph break under
+            ``torch.compile``.
+        low_rank_weight: [V, r], the right factor of the low-rank term; given with ``low_rank_hidden``.
 
     Returns:
         fp32 0-d loss (or per-token losses for reduction="none"). A batch whose labels are all ignored

@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# Refresh CI's pins: `bash .ci/pin.sh`, then `bash .ci/run`, then commit the two files it writes.
+#
+# CI installs every tool and library from these files, so its result depends on the code, not on the day:
+#   .ci/constraints.txt           the tests', docs' and packaging environment (and the installed wheel's)
+#   .ci/axolotl-constraints.txt   axolotl's own environment (tests/integrations/test_axolotl.py)
+# This script resolves, in scratch environments, the newest versions the package index serves today for what
+# .ci/run installs, and writes them there. The versions held below stay as they are until changed here.
+# Users install from pyproject.toml's ranges; `pip install -e ".[docs]" -c .ci/constraints.txt` gives them the
+# docs toolchain CI builds with.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+torch_version=2.13.0       # the CPU build on the CI machine's disk
+deepspeed_version=0.19.8   # the ZeRO checks on CPU processes
+bitsandbytes_version=0.50.2
+axolotl_version=0.19.0     # the newest release for Python 3.11
+
+export PIP_NO_CACHE_DIR=1
+scratch=$(mktemp -d)
+trap 'rm -rf "$scratch"' EXIT
+
+header() {
+    echo "# Written by .ci/pin.sh on $(date -u +%Y-%m-%d) (Python $(python3 -c 'import platform; print(platform.python_version())')); do not edit by hand."
+}
+
+# The tests', docs' and packaging environment.
+python3 -m venv "$scratch/main"
+py="$scratch/main/bin/python"
+"$py" -m pip install -q --upgrade pip setuptools wheel
+"$py" -m pip install -q "torch==$torch_version"
+"$py" -m pip install -q --no-build-isolation -e ".[test,docs]" "bitsandbytes==$bitsandbytes_version" build
+# DeepSpeed and its runtime needs go to a folder of their own in CI; resolve them in the same environment.
+DS_BUILD_OPS=0 "$py" -m pip install -q --no-deps --no-build-isolation --target "$scratch/deepspeed" \
+    "deepspeed==$deepspeed_version" hjson einops msgpack py-cpuinfo ninja pydantic pydantic-core annotated-types \
+    typing-inspection
+{
+    header
+    {
+        "$py" -m pip freeze --all --exclude-editable
+        for info in "$scratch"/deepspeed/*.dist-info; do
+            "$py" - "$info" <<'EOF'
+import email.parser, pathlib, sys
+meta = email.parser.Parser().parsestr((pathlib.Path(sys.argv[1]) / "METADATA").read_text())
+print(f"{meta['Name']}=={meta['Version']}")
+EOF
+        done
+    } | sort -fu
+} > .ci/constraints.txt
+
+# axolotl's environment: it pins its own torch stack; everything else it pulls is pinned here.
+python3 -m venv "$scratch/axolotl"
+ax="$scratch/axolotl/bin/python"
+"$ax" -m pip install -q --upgrade pip
+"$ax" -m pip install -q "torch==$torch_version"
+AXOLOTL_DO_NOT_TRACK=1 "$ax" -m pip install -q "axolotl==$axolotl_version"
+{
+    header
+    "$ax" -m pip freeze --all | sort -f
+} > .ci/axolotl-constraints.txt
+
+echo "wrote .ci/constraints.txt ($(grep -vc '^#' .ci/constraints.txt) pins) and .ci/axolotl-constraints.txt ($(grep -vc '^#' .ci/axolotl-constraints.txt) pins)"
