@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import difflib
 import functools
 import math
+import re
 import types
 from typing import Any
 
@@ -34,17 +36,6 @@ from .registry import REGISTRY, UNSUPPORTED, ArchSpec, HeadConfig, derived_spec
 _MISSING = object()
 
 
-def _unsupported(what: str) -> ValueError:
-    examples = ", ".join(t for t in ("llama", "gemma2", "gemma3", "mistral", "qwen3") if t in REGISTRY)
-    return ValueError(
-        f"lce_patch: {what} is not a supported architecture (supported: the {len(REGISTRY)} model types of "
-        f"lce_patch.supported_architectures(), e.g. {examples}). A model whose LM head is a Linear layer applied "
-        "once to the decoder's last hidden state, with its loss computed by self.loss_function, can be patched "
-        "with apply_fused_lce(model, allow_unregistered=True), which first checks the fused loss and every "
-        "gradient against the model's own forward on a test batch."
-    )
-
-
 @functools.cache
 def _mapping_names() -> dict[str, tuple[str, ...]]:
     """model_type -> the causal-LM and image-text-to-text class names of transformers' auto mappings."""
@@ -69,22 +60,28 @@ def _mapped_classes(model_type: str) -> list[type]:
     return [cls for cls in dict.fromkeys(classes) if cls is not None]
 
 
-def _is_registered(model: torch.nn.Module) -> bool:
-    """Whether this instance is of a class a registered type maps to, with that class's own forward.
+def _registered_classes(model: torch.nn.Module) -> list[type]:
+    """The classes of registered types that ``model`` is an instance of.
 
     The registry is keyed by the auto mappings' model_type, which may differ from the config's
     (Emu3ForCausalLM is mapped under ``emu3`` but its config says ``emu3_text_model``).
     """
+    class_names = {cls.__name__ for cls in type(model).__mro__}
+    return [
+        cls
+        for model_type, names in _mapping_names().items()
+        if model_type in REGISTRY and class_names.intersection(names)
+        for cls in _mapped_classes(model_type)
+        if isinstance(model, cls)
+    ]
+
+
+def _is_registered(model: torch.nn.Module) -> bool:
+    """Whether this instance is of a class a registered type maps to, with that class's own forward."""
     if not _plain_linear_head(model):
         return False  # a custom head module: its forward may transform the logits
-    class_names = {cls.__name__ for cls in type(model).__mro__}
-    for model_type, names in _mapping_names().items():
-        if model_type not in REGISTRY or not class_names.intersection(names):
-            continue
-        for cls in _mapped_classes(model_type):
-            if isinstance(model, cls) and unpatched(type(model).forward) is unpatched(cls.forward):
-                return True
-    return False  # another head class, or a subclass that overrides forward
+    forward = unpatched(type(model).forward)
+    return any(forward is unpatched(cls.forward) for cls in _registered_classes(model))
 
 
 def _plain_linear_head(model: torch.nn.Module) -> bool:
@@ -104,6 +101,137 @@ def _plain_linear_head(model: torch.nn.Module) -> bool:
         return type(leaf).forward is torch.nn.Linear.forward
 
     return all(plain(leaf) for leaf in head_leaves(head))
+
+
+# --- Refusals: each says what to do instead ------------------------------------------------------------
+
+_EXAMPLES = ("llama", "gemma2", "gemma3", "mistral", "qwen3")
+_ALLOW_UNREGISTERED_HINT = (
+    "To patch it anyway, apply_fused_lce(model, allow_unregistered=True) checks the fused loss and every gradient "
+    "against the model's own forward on a test batch and patches the model if they agree (as they do when its LM "
+    "head is a Linear layer applied once to the last hidden state and its loss is computed by self.loss_function)."
+)
+
+
+def _supported() -> str:
+    examples = ", ".join(t for t in _EXAMPLES if t in REGISTRY)
+    return f"Supported: the {len(REGISTRY)} model types of lce_patch.supported_architectures(), e.g. {examples}."
+
+
+def _normalized(model_type: str) -> str:
+    """A model_type without case and separators: 'Qwen-3', 'qwen_3' and 'qwen3' are one key."""
+    return re.sub(r"[-_. ]", "", model_type.lower())
+
+
+def _closest_types(model_type: str) -> list[str]:
+    """The registered types ``model_type`` may mean: the one equal up to case and separators, else the closest."""
+    by_key = {_normalized(t): t for t in sorted(REGISTRY)}
+    key = _normalized(model_type)
+    if key in by_key:
+        return [by_key[key]]
+    return [by_key[k] for k in difflib.get_close_matches(key, by_key, n=3)]
+
+
+def _type_string_hint(model_type: str) -> str:
+    """Why a model_type string is refused, and the registered types it may mean.
+
+    allow_unregistered is never suggested: a class patch has no instance to check.
+    """
+    if model_type in UNSUPPORTED:
+        return f": {UNSUPPORTED[model_type]}. {_supported()}"
+    if model_type in _mapping_names():
+        return f": lce_patch has not verified this model type of the installed transformers. {_supported()}"
+    refused = {_normalized(t): t for t in UNSUPPORTED}.get(_normalized(model_type))
+    if refused is not None:
+        return f". Did you mean {refused!r}? That type is refused too: {UNSUPPORTED[refused]}. {_supported()}"
+    closest = [repr(t) for t in _closest_types(model_type)]
+    if not closest:
+        return f". {_supported()}"
+    options = closest[0] if len(closest) == 1 else f"{', '.join(closest[:-1])} or {closest[-1]}"
+    return (
+        f". Did you mean {options}? (model_type strings are config.model_type values; "
+        f"lce_patch.supported_architectures() lists all {len(REGISTRY)})"
+    )
+
+
+def _output_embeddings(model: torch.nn.Module) -> torch.nn.Module | None:
+    """The model's LM head module (get_output_embeddings()), or None."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    return head if isinstance(head, torch.nn.Module) else None
+
+
+def _is_lm_class(model: torch.nn.Module) -> bool:
+    """Whether the model is (a subclass of) a class transformers' causal-LM or image-text-to-text mappings name."""
+    class_names = {cls.__name__ for cls in type(model).__mro__}
+    return any(class_names.intersection(names) for names in _mapping_names().values())
+
+
+def _lm_class_hint(model_type: str | None) -> str:
+    """How to load a model of ``model_type`` with its language-model head."""
+    import transformers
+    from transformers.models.auto import modeling_auto
+
+    for mapping, auto_class in (
+        (modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, "AutoModelForCausalLM"),
+        (modeling_auto.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES, "AutoModelForImageTextToText"),
+    ):
+        names = mapping.get(model_type, ())
+        for name in (names,) if isinstance(names, str) else names:
+            if hasattr(transformers, name):
+                return f"load it with {name} (or {auto_class})"
+    return f"transformers has no causal-LM class for model_type {model_type!r}"
+
+
+def _unregistered_reason(model: torch.nn.Module) -> str | None:
+    """Why an instance is not registered, where more can be said than its model_type."""
+    model_type = getattr(model.config, "model_type", None)
+    if model_type in UNSUPPORTED:
+        return UNSUPPORTED[model_type]
+    head = _output_embeddings(model)
+    if head is None:
+        return "its LM head is not exposed by get_output_embeddings()"
+    if not _plain_linear_head(model):
+        return f"its LM head ({type(head).__name__}) is not a plain torch.nn.Linear and may transform the logits"
+    bases = _registered_classes(model)
+    if bases:
+        return f"it overrides the forward of {bases[0].__name__}, which may change the loss"
+    return None
+
+
+def _self_check_applies(model: torch.nn.Module) -> bool:
+    """Whether allow_unregistered can patch the model: a type not refused outright, a floating-point head weight."""
+    head = _output_embeddings(model)
+    if getattr(model.config, "model_type", None) in UNSUPPORTED or head is None:
+        return False
+    try:
+        weight = getattr(resolve_head_module(head), "weight", None)
+    except NotImplementedError:
+        return False
+    return isinstance(weight, torch.Tensor) and weight.is_floating_point() and weight.dim() == 2
+
+
+def _refusal(target: Any, reason: str | None = None, self_checked: bool = False) -> ValueError:
+    """The error refusing a model_type string or a model instance, with the hint that applies to it.
+
+    ``reason`` replaces the one derived from the model; ``self_checked``: allow_unregistered's check already ran.
+    """
+    if isinstance(target, str):
+        return ValueError(f"lce_patch: {target!r} is not a supported architecture{_type_string_hint(target)}")
+    name = type(target).__name__
+    model_type = getattr(target.config, "model_type", None)
+    if _output_embeddings(target) is None and not _is_lm_class(target):
+        return ValueError(
+            f"lce_patch: {name} has no language-model head (get_output_embeddings() gives none), so there is no "
+            f"language-model loss to fuse: {_lm_class_hint(model_type)}."
+        )
+    reason = reason or _unregistered_reason(target)
+    message = f"lce_patch: {name} (model_type={model_type!r}) is not a supported architecture"
+    message += f": {reason}." if reason else "."
+    if model_type not in REGISTRY:
+        message += f" {_supported()}"
+    if not self_checked and _self_check_applies(target):
+        message += f" {_ALLOW_UNREGISTERED_HINT}"
+    return ValueError(message)
 
 
 def _spec_for(model: torch.nn.Module) -> ArchSpec:
@@ -154,9 +282,9 @@ def apply_fused_lce(model_or_model_type: Any, **options: Any) -> Any:
         )
     newly_patched = OPTIONS_ATTR not in vars(model)
     if newly_patched:
-        head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-        if not isinstance(head, torch.nn.Module):
-            raise _unsupported(f"{type(model).__name__}: it has no output embedding (get_output_embeddings());")
+        head = _output_embeddings(model)
+        if head is None:
+            raise _refusal(model)
         weight = getattr(resolve_head_module(head), "weight", None)  # refuses an adapter the op cannot compute
         if isinstance(weight, torch.Tensor) and not weight.is_floating_point():
             raise ValueError(
@@ -168,8 +296,7 @@ def apply_fused_lce(model_or_model_type: Any, **options: Any) -> Any:
         registered = _is_registered(model)
         model_type = getattr(model.config, "model_type", None)
         if not registered and not opts.allow_unregistered:
-            reason = f" ({UNSUPPORTED[model_type]})" if model_type in UNSUPPORTED else ""
-            raise _unsupported(f"{type(model).__name__} (model_type={model_type!r}){reason}")
+            raise _refusal(model)
         spec = derived_spec(unpatched(type(model).forward), model_type, registered=registered)
         previous = vars(model).get("forward", _MISSING)
         original = unpatched(type(model).forward)
@@ -186,8 +313,8 @@ def apply_fused_lce(model_or_model_type: Any, **options: Any) -> Any:
             revert_fused_lce(model)
             if isinstance(err, ValueError) and str(err).startswith("lce_patch"):
                 raise
-            raise _unsupported(
-                f"{type(model).__name__} (the self-check failed on a test batch: {type(err).__name__}: {err});"
+            raise _refusal(
+                model, f"the self-check failed on a test batch: {type(err).__name__}: {err}", self_checked=True
             ) from err
     return model_or_model_type
 
@@ -196,7 +323,7 @@ def revert_fused_lce(model_or_model_type: Any) -> Any:
     """Undo apply_fused_lce exactly (instance or class); a no-op on what is not patched."""
     if isinstance(model_or_model_type, str):
         if model_or_model_type not in REGISTRY:
-            raise _unsupported(repr(model_or_model_type))
+            raise _refusal(model_or_model_type)
         for cls in _mapped_classes(model_or_model_type):
             if OPTIONS_ATTR in vars(cls):
                 cls.forward = unpatched(vars(cls)["forward"])
@@ -227,8 +354,7 @@ def revert_fused_lce(model_or_model_type: Any) -> Any:
 
 def _patch_classes(model_type: str, opts: LCEOptions) -> tuple[type, ...]:
     if model_type not in REGISTRY:
-        reason = f" ({UNSUPPORTED[model_type]})" if model_type in UNSUPPORTED else ""
-        raise _unsupported(repr(model_type) + reason)
+        raise _refusal(model_type)
     if opts.allow_unregistered:
         raise ValueError("lce_patch: allow_unregistered applies to model instances, not to model_type strings")
     for cls in _mapped_classes(model_type):
@@ -341,7 +467,9 @@ def check_against_own_forward(model: torch.nn.Module) -> None:
                 p.grad = None
             out = forward(**batch)
             if forward is not own_forward and out.logits is not None:
-                raise _unsupported(f"{type(model).__name__}: the patched forward did not take the fused path;")
+                raise _refusal(
+                    model, "the patched forward did not take the fused path on a test batch", self_checked=True
+                )
             loss = out.loss
             if params:
                 loss.backward()
@@ -370,9 +498,10 @@ def check_against_own_forward(model: torch.nn.Module) -> None:
             problems.append(f"{name} (gradient differs by ~{max(abs(a - b) for a, b in zip(own, fused)) / scale:.2g})")
     if problems:
         shown = ", ".join(problems[:8]) + (f" and {len(problems) - 8} more" if len(problems) > 8 else "")
-        raise _unsupported(
-            f"{type(model).__name__} (model_type={getattr(model.config, 'model_type', None)!r}): on a test batch "
-            f"with large logits the fused forward differs from the model's own in: {shown}, so its forward does "
-            "something the fused loss does not (e.g. a custom logit transform or a loss term outside "
-            "loss_function);"
+        raise _refusal(
+            model,
+            f"on a test batch with large logits the fused forward differs from the model's own in: {shown}, so its "
+            "forward does something the fused loss does not (e.g. a custom logit transform or a loss term outside "
+            "loss_function)",
+            self_checked=True,
         )

@@ -6,11 +6,12 @@ import inspect
 
 import pytest
 import torch
+from transformers import AutoConfig, AutoModel, AutoModelForSequenceClassification
 
 import lce_patch
 from lce_patch.models import get_head_config, is_patched
 
-from .tiny import TINY_CONFIGS, VOCAB, assert_close, assert_grads_match, pair, tiny_model
+from .tiny import TINY_CONFIGS, VOCAB, assert_close, assert_grads_match, pair, tiny_config, tiny_model
 
 # The core types, through every option and batch layout (test_every_architecture.py covers all types).
 ARCHS = sorted({*TINY_CONFIGS, "gemma3"})
@@ -347,6 +348,72 @@ def test_errors_are_clear():
         lce_patch.apply_fused_lce(tiny_model("llama"), backend="cuda")
     with pytest.raises(TypeError, match="Hugging Face model"):
         lce_patch.apply_fused_lce(torch.nn.Linear(2, 2))
+
+
+@pytest.mark.parametrize(
+    "model_type, meant",
+    [("Llama", "llama"), ("lama", "llama"), ("qwen-3", "qwen3"), ("gemma_2", "gemma2"), ("GEMMA-2", "gemma2")],
+)
+def test_a_misspelled_model_type_is_answered_with_the_registered_types_it_may_mean(model_type, meant):
+    for call in (lce_patch.apply_fused_lce, lce_patch.revert_fused_lce):
+        with pytest.raises(
+            ValueError, match=rf"'{model_type}' is not a supported architecture\. Did you mean '{meant}'[,?]"
+        ) as info:
+            call(model_type)
+        assert "allow_unregistered" not in str(info.value)  # a class patch has no instance to check
+    with pytest.raises(ValueError, match=rf"Did you mean '{meant}'") as info:
+        lce_patch.apply_fused_lce(model_type, allow_unregistered=True)
+    assert not is_patched(meant)
+
+
+@pytest.mark.parametrize(
+    "model_type, message",
+    [
+        ("no_such_model", r"'no_such_model' is not a supported architecture\. Supported: the \d+ model types .*llama"),
+        ("bart", r"'bart' is not a supported architecture: computes its loss inline .* Supported: "),
+        ("Bart", r"'Bart' is not a supported architecture\. Did you mean 'bart'\? That type is refused too: computes"),
+    ],
+)
+def test_a_refused_model_type_string_gets_no_allow_unregistered_hint(model_type, message):
+    with pytest.raises(ValueError, match=message) as info:
+        lce_patch.apply_fused_lce(model_type)
+    assert "allow_unregistered" not in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "build, message",
+    [
+        (
+            lambda: AutoModel.from_config(tiny_config("llama")),
+            r"LlamaModel has no language-model head \(get_output_embeddings\(\) gives none\), so there is no "
+            r"language-model loss to fuse: load it with LlamaForCausalLM \(or AutoModelForCausalLM\)\.$",
+        ),
+        (
+            lambda: AutoModel.from_config(tiny_config("gemma3")),
+            r"Gemma3Model has no language-model head .* load it with Gemma3ForConditionalGeneration \(or AutoModelFor",
+        ),
+        (
+            lambda: AutoModelForSequenceClassification.from_config(tiny_config("llama")),
+            r"LlamaForSequenceClassification has no language-model head .* load it with LlamaForCausalLM ",
+        ),
+        (
+            lambda: AutoModel.from_config(
+                AutoConfig.for_model(
+                    "vit", hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32
+                )
+            ),
+            r"ViTModel has no language-model head .*: transformers has no causal-LM class for model_type 'vit'\.$",
+        ),
+    ],
+    ids=["base_model", "multimodal_base_model", "sequence_classifier", "no_causal_lm_class"],
+)
+def test_a_model_without_an_lm_head_is_told_which_class_to_load(build, message):
+    model = build()
+    with pytest.raises(ValueError, match=message) as info:
+        lce_patch.apply_fused_lce(model)
+    assert "allow_unregistered" not in str(info.value) and not is_patched(model)
+    with pytest.raises(ValueError, match="has no language-model head"):
+        lce_patch.apply_fused_lce(model, allow_unregistered=True)
 
 
 def test_triton_backend_through_a_patched_model():

@@ -97,7 +97,12 @@ def _subclass_instance(cls, head_cls=None):
 
 def test_subclass_overriding_forward_needs_the_self_check():
     model = _subclass_instance(_Passthrough)
-    with pytest.raises(ValueError, match="not a supported architecture"):
+    with pytest.raises(
+        ValueError,
+        match=r"_Passthrough \(model_type='llama'\) is not a supported architecture: it overrides the "
+        r"forward of LlamaForCausalLM, which may change the loss\. To patch it anyway, apply_fused_lce\(model, "
+        r"allow_unregistered=True\)",
+    ):
         lce_patch.apply_fused_lce(model)
     lce_patch.apply_fused_lce(model, allow_unregistered=True)
     model.train()
@@ -130,8 +135,56 @@ def test_failed_self_check_is_refused_and_reverted(cls, head_cls, message):
     model = _subclass_instance(cls, head_cls)
     # a registered class with a custom head module is not registered: it goes through the check too
     grads_before = {name: p.grad for name, p in model.named_parameters()}
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(ValueError, match=message) as info:
         lce_patch.apply_fused_lce(model, allow_unregistered=True)
+    assert "allow_unregistered=True)" not in str(info.value)  # it ran: suggesting it again leads nowhere
     assert not is_patched(model) and "forward" not in vars(model) and "_loss_function" not in vars(model)
     assert not any(name.startswith("_lce_patch") for name in vars(model.lm_head))
     assert all(p.grad is grads_before[name] for name, p in model.named_parameters())
+
+
+def test_a_custom_head_module_is_named_and_offered_the_self_check():
+    model = _subclass_instance(LlamaForCausalLM, _SoftcappedHead)
+    with pytest.raises(
+        ValueError,
+        match=r"LlamaForCausalLM \(model_type='llama'\) is not a supported architecture: its LM head "
+        r"\(_SoftcappedHead\) is not a plain torch.nn.Linear and may transform the logits\. To patch it anyway, "
+        r"apply_fused_lce\(model, allow_unregistered=True\)",
+    ):
+        lce_patch.apply_fused_lce(model)
+
+
+class _HiddenHead(LlamaForCausalLM):
+    def get_output_embeddings(self):
+        return None
+
+
+def test_a_refused_type_and_a_hidden_head_get_no_allow_unregistered_hint():
+    # the self-check refuses every type in UNSUPPORTED, and cannot run without a head
+    config = AutoConfig.for_model(
+        "bart",
+        vocab_size=128,
+        d_model=32,
+        decoder_layers=1,
+        decoder_attention_heads=2,
+        decoder_ffn_dim=32,
+        encoder_layers=1,
+        encoder_attention_heads=2,
+        encoder_ffn_dim=32,
+    )
+    cases = [
+        (
+            AutoModelForCausalLM.from_config(config),
+            r"BartForCausalLM \(model_type='bart'\) is not a supported architecture: computes its loss inline .* "
+            r"Supported: the \d+ model types of lce_patch\.supported_architectures\(\), e\.g\. llama",
+        ),
+        (
+            _subclass_instance(_HiddenHead),
+            r"_HiddenHead \(model_type='llama'\) is not a supported architecture: its LM head is not exposed by "
+            r"get_output_embeddings\(\)\.$",
+        ),
+    ]
+    for model, message in cases:
+        with pytest.raises(ValueError, match=message) as info:
+            lce_patch.apply_fused_lce(model)
+        assert "allow_unregistered" not in str(info.value)
