@@ -1,0 +1,138 @@
+"""Input checks shared by the public ops and the chunked forwards (each message names its op).
+
+Checks of shapes, dtypes and option values run in the public op (``functional.py``), where
+``torch.compile`` traces them. Checks that read tensor *values* (labels in range, the count of valid
+labels, ``num_items_in_batch``) run inside the chunked forward, which is one opaque operator under
+``torch.compile``: on the CPU they raise a ``ValueError``; on CUDA they are asynchronous device
+asserts, so they cost no host sync.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+import torch
+
+OP_NAME = "fused_linear_cross_entropy"
+
+
+def fail(message: str, op_name: str = OP_NAME) -> None:
+    raise ValueError(f"{op_name}: {message}")
+
+
+def check_int(name: str, value, *, minimum: int | None = None, allow_none: bool = False) -> None:
+    """A Python integer (not a bool, not a tensor), at least ``minimum``."""
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        fail(f"{name} must be a Python int{' or None' if allow_none else ''}, got {value!r}")
+    if minimum is not None and value < minimum:
+        fail(f"{name} must be >= {minimum}, got {value}")
+
+
+def check_real(
+    name: str,
+    value,
+    *,
+    minimum: float | None = None,
+    maximum: float | None = None,
+    positive: bool = False,
+    allow_none: bool = False,
+    op_name: str = OP_NAME,
+) -> None:
+    """A finite real number (not a bool, not a tensor) within the given bounds."""
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+        fail(f"{name} must be a finite number{' or None' if allow_none else ''}, got {value!r}", op_name)
+    if positive and not value > 0:
+        fail(f"{name} must be > 0, got {value}", op_name)
+    if minimum is not None and value < minimum:
+        fail(f"{name} must be >= {minimum}, got {value}", op_name)
+    if maximum is not None and value > maximum:
+        fail(f"{name} must be <= {maximum}, got {value}", op_name)
+
+
+def check_labels(labels: torch.Tensor, vocab_size: int, ignore_index: int) -> None:
+    """Labels must be ``ignore_index`` or in [0, V). On CUDA an asynchronous device assert, no sync."""
+    bad = (labels != ignore_index) & ((labels < 0) | (labels >= vocab_size))
+    if labels.device.type != "cuda":
+        if bad.any():
+            first = labels[bad][0].item()
+            fail(f"label {first} is outside [0, {vocab_size}) and is not ignore_index ({ignore_index})")
+    else:
+        torch._assert_async(
+            ~bad.any(),
+            f"{OP_NAME}: a label is outside [0, {vocab_size}) and is not ignore_index ({ignore_index})",
+        )
+
+
+def num_items_tensor(num_items_in_batch, device: torch.device, op_name: str = OP_NAME) -> torch.Tensor:
+    """``num_items_in_batch`` (a number or a one-element real tensor) as a 0-d tensor on ``device``; its
+    value is checked inside the op (:func:`check_num_items`)."""
+    if isinstance(num_items_in_batch, torch.Tensor):
+        if num_items_in_batch.numel() != 1:
+            fail(
+                "num_items_in_batch must be a number or a one-element tensor, got shape "
+                f"{tuple(num_items_in_batch.shape)}",
+                op_name,
+            )
+        if num_items_in_batch.dtype == torch.bool or num_items_in_batch.dtype.is_complex:
+            fail(f"num_items_in_batch must be a real number, got a {num_items_in_batch.dtype} tensor", op_name)
+        return num_items_in_batch.to(device).reshape(())
+    check_real("num_items_in_batch", num_items_in_batch, minimum=0, op_name=op_name)
+    # a fill kernel, not a copy from host memory (which would sync with the GPU)
+    return torch.full((), float(num_items_in_batch), dtype=torch.float64, device=device)
+
+
+def check_num_items(
+    num_items: torch.Tensor,
+    num_valid: torch.Tensor,
+    *,
+    op_name: str = OP_NAME,
+    none_counted: str = "every label is ignored",
+    counted: str = "valid labels",
+) -> None:
+    """``num_items_in_batch`` (a 0-d tensor) must be finite and > 0, or 0 when nothing counts (no valid
+    label; the loss is then 0, as for a batch whose labels are all ignored). ``num_valid``: 0-d count;
+    ``none_counted`` and ``counted`` word the message for the op."""
+    ok = torch.isfinite(num_items) & ((num_items > 0) | ((num_items == 0) & (num_valid == 0)))
+    if num_items.device.type != "cuda":
+        if not bool(ok):
+            fail(
+                f"num_items_in_batch must be finite and > 0 (0 only when {none_counted}), got "
+                f"{num_items.item()} with {int(num_valid)} {counted}",
+                op_name,
+            )
+    else:
+        torch._assert_async(ok, f"{op_name}: num_items_in_batch must be finite and > 0 (0 only when {none_counted})")
+
+
+def selected_rows(valid: torch.Tensor, num_valid_tokens: int | None) -> torch.Tensor | None:
+    """Indices (int64, ascending) of the rows whose label is not ignored (``valid``: bool [N]), or None
+    when every row counts.
+
+    The GEMMs are sized on the host, so the count must be known there: ``num_valid_tokens`` when the
+    caller has it (checked on the device, no sync), else one host sync here, except while a CUDA graph
+    is being captured (no sync allowed): then every row is processed, with the same result.
+    """
+    if num_valid_tokens is None:
+        if valid.is_cuda and torch.cuda.is_current_stream_capturing():
+            return None
+        num_valid = int(valid.sum())  # the one host sync of skip_ignored=True
+    else:
+        num_valid = num_valid_tokens
+        if valid.device.type != "cuda":
+            counted = int(valid.sum())
+            if counted != num_valid:
+                fail(f"num_valid_tokens={num_valid} but {counted} labels are not ignore_index")
+        else:
+            torch._assert_async(
+                valid.sum() == num_valid,
+                f"{OP_NAME}: num_valid_tokens differs from the number of labels that are not ignore_index",
+            )
+    if num_valid == valid.shape[0]:
+        return None
+    # A stable sort puts the valid rows first, in order; no nonzero() (it would sync).
+    return torch.argsort((~valid).to(torch.uint8), stable=True)[:num_valid]
