@@ -13,22 +13,31 @@ the ``lce_patch*`` keys below are validated with axolotl's own. The plugin then
 
 The plugin is also registered under the ``axolotl.plugins`` entry point (axolotl >= 0.21 loads those without
 a ``plugins:`` line), so it does nothing unless it is on: ``lce_patch: true``, or ``lce_patch`` unset and the
-plugin listed under ``plugins:``. Configurations that cannot work are refused when axolotl validates the config.
+plugin listed under ``plugins:``. Configurations that cannot work are refused when axolotl validates the config,
+and so are misspelt ``lce_patch*`` keys (which axolotl would otherwise drop without a word).
+
+Once the model is patched the plugin logs one line at axolotl's default level (INFO), naming the model and the
+options in force. axolotl's logging passes INFO only from loggers under ``axolotl``, so the plugin logs through
+axolotl's own ``get_logger`` under that name (on the main process only, like axolotl's own messages).
 
 This module imports axolotl and pydantic, so it is imported only by axolotl (never by ``import lce_patch``).
 """
 
 from __future__ import annotations
 
-import logging
+import difflib
+import re
 from typing import Any, Literal
 
 from axolotl.integrations.base import BasePlugin
+from axolotl.utils.logging import get_logger
 from pydantic import BaseModel, Field, model_validator
 
 __all__ = ["LCEPatchArgs", "LCEPatchPlugin"]
 
-LOG = logging.getLogger(__name__)
+# Under `axolotl`: axolotl's logging config (axolotl.logging_config) shows INFO from `axolotl.*` loggers only
+# (AXOLOTL_LOG_LEVEL); any other logger's INFO is dropped unless LOG_LEVEL is lowered for every library.
+LOG = get_logger("axolotl.integrations.lce_patch")
 
 PLUGIN_NAMES = (f"{__name__}.LCEPatchPlugin", f"{__name__}:LCEPatchPlugin")
 
@@ -81,6 +90,28 @@ def _conflicts(data: dict[str, Any]) -> list[str]:
     return problems
 
 
+_LOOKALIKE = re.compile(r"_*lce_*patch_*(.*)")  # lce_patch*, LCE-PATCH-*, lcepatch*, ... (lowercased, - as _)
+
+
+def _unknown_keys(data: dict[str, Any]) -> list[str]:
+    """The config's keys that look like lce_patch's (``lce_patch*``, any case, ``-`` or ``_``) but are not one,
+    each with the closest valid key where one is close."""
+    valid = list(LCEPatchArgs.model_fields)
+    # compared after the shared prefix, which would make any two keys look alike
+    tails = {key.removeprefix("lce_patch").lstrip("_"): key for key in valid}
+    problems = []
+    for key in data:
+        if not isinstance(key, str) or key in valid:
+            continue
+        lookalike = _LOOKALIKE.fullmatch(key.lower().replace("-", "_"))
+        if lookalike is None:
+            continue
+        tail = lookalike.group(1)
+        close = difflib.get_close_matches(tail, tails, n=1, cutoff=0.6) or [t for t in tails if tail and tail in t][:1]
+        problems.append(f"`{key}`" + (f" (did you mean `{tails[close[0]]}`?)" if close else ""))
+    return problems
+
+
 class LCEPatchArgs(BaseModel):
     """The YAML keys of the lce_patch plugin (validated by axolotl with its own)."""
 
@@ -113,7 +144,15 @@ class LCEPatchArgs(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def check_lce_patch(cls, data: Any) -> Any:
-        if not isinstance(data, dict) or not is_enabled(data):
+        if not isinstance(data, dict):
+            return data
+        unknown = _unknown_keys(data)
+        if unknown:  # whether the plugin is on or not: a misspelt key is a mistake either way
+            raise ValueError(
+                f"lce_patch: unknown key{'s' if len(unknown) > 1 else ''} {', '.join(unknown)}; the plugin's keys "
+                f"are {', '.join(LCEPatchArgs.model_fields)}"
+            )
+        if not is_enabled(data):
             return data
         problems = _conflicts(data)
         if problems:
@@ -149,6 +188,26 @@ def options_from(cfg: Any) -> dict[str, Any]:
     return {option: cfg.get(key) for option, key in keys.items() if cfg.get(key) is not None}
 
 
+def patched_line(model: Any) -> str:
+    """The one line logged once ``model`` is patched: the model, and the options the plugin sets, as in force."""
+    from lce_patch.models import unwrap_causal_lm
+    from lce_patch.models.forward import OPTIONS_ATTR
+
+    inner = unwrap_causal_lm(model)
+    opts = getattr(inner, OPTIONS_ATTR)
+    what = f"{type(inner).__name__} (model_type {getattr(inner.config, 'model_type', None)}"
+    what += f", in {type(model).__name__})" if inner is not model else ")"
+    shown = {
+        "chunk_size": "auto" if opts.chunk_size is None else opts.chunk_size,
+        "backend": opts.backend,
+        "return_logits_in_eval": "auto" if opts.return_logits_in_eval is None else opts.return_logits_in_eval,
+        "allow_unregistered": opts.allow_unregistered,
+    }
+    return f"lce_patch: patched {what} to train with the fused linear cross-entropy: " + ", ".join(
+        f"{name}={value}" for name, value in shown.items()
+    )
+
+
 class LCEPatchPlugin(BasePlugin):
     """axolotl plugin: patch the loaded model with :func:`lce_patch.apply_fused_lce` and serve the trainer."""
 
@@ -162,7 +221,7 @@ class LCEPatchPlugin(BasePlugin):
         from lce_patch import apply_fused_lce
 
         apply_fused_lce(model, **options_from(cfg))
-        LOG.info("lce_patch: %s trains with the fused linear cross-entropy", type(model).__name__)
+        LOG.info(patched_line(model))
 
     def add_callbacks_pre_trainer(self, cfg: Any, model: Any) -> list:
         if not is_enabled(cfg):

@@ -5,7 +5,9 @@ lives apart from the test environment): ``python axolotl_runs.py WORKDIR OUT.jso
 and a tiny softcapped Gemma-2 on disk with the recipes' embedded tokenizer, trains each through axolotl's
 own config loading, preprocessing and ``axolotl.train.train`` (CPU, float32), and writes what the tests
 compare: per-step losses, the largest weight difference against the run without the plugin, evaluation
-losses and logits, the fused op's call count, and the messages of the configurations the plugin refuses.
+losses and logits, the fused op's call count, and the messages of the configurations the plugin refuses
+(conflicting losses, misspelt ``lce_patch*`` keys). Before each run it prints ``MARK`` and the run's name to
+stdout, where axolotl's console logging goes, so the test can find each run's log lines in the output.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ for name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE", "A
 
 REPO = Path(__file__).resolve().parents[2]
 PLUGIN = "lce_patch.integrations.axolotl.LCEPatchPlugin"
+MARK = "@@ axolotl run: "
 
 
 def build_models(workdir: Path) -> dict[str, Path]:
@@ -109,7 +112,7 @@ class OpCounter:
         forward_module.fused_linear_cross_entropy = counting
 
 
-def train_once(config: dict, counter: OpCounter, predict: bool) -> dict:
+def train_once(config: dict, counter: OpCounter, predict: bool, label: str) -> dict:
     import torch
     from axolotl.cli.args import TrainerCliArgs
     from axolotl.cli.config import load_cfg
@@ -119,6 +122,7 @@ def train_once(config: dict, counter: OpCounter, predict: bool) -> dict:
 
     from lce_patch.models import is_patched, unwrap_causal_lm
 
+    print(MARK + label, flush=True)
     cfg = load_cfg(DictDefault(config))
     meta = load_datasets(cfg=cfg, cli_args=TrainerCliArgs())
     before = counter.calls
@@ -175,12 +179,32 @@ REFUSED = {
 }
 
 
-def refusals(model_path: Path, workdir: Path) -> dict:
+# misspelt keys, refused by axolotl's config validation whether the plugin is on or off
+MISSPELT = {
+    "chunk_size": dict(lce_patch_chunksize=4096),
+    "backend_plugin_off": dict(lce_patch=False, lce_patch_backnd="torch"),
+    "two_keys": dict(lce_patch_chunk_size=4096, **{"LCE-PATCH-RETURN-LOGITS": True, "lce_patch_xyzzy": 1}),
+}
+# the same check, at the level of the args model (no axolotl config around it)
+TYPOS = [
+    "lce_patch_chunksize",
+    "lce_patch_chunk",
+    "lce_patch_backnd",
+    "lce_patch_return_logits",
+    "lce_patch_eval",
+    "lce_patch_allow_unregisterd",
+    "LCE_PATCH_CHUNK_SIZE",
+    "lcepatch",
+    "lce_patch_xyzzy",
+]
+
+
+def refusals(model_path: Path, workdir: Path, cases: dict) -> dict:
     from axolotl.cli.config import load_cfg
     from axolotl.utils.dict import DictDefault
 
     messages = {}
-    for name, overrides in REFUSED.items():
+    for name, overrides in cases.items():
         config = {**base_config(model_path, workdir, "refused"), "plugins": [PLUGIN], **overrides}
         try:
             load_cfg(DictDefault(config))
@@ -190,8 +214,48 @@ def refusals(model_path: Path, workdir: Path) -> dict:
     return messages
 
 
+def key_checks(model_path: Path, workdir: Path) -> dict:
+    """The misspelt-key refusals through axolotl's load_cfg and through LCEPatchArgs, and every valid key accepted."""
+    from axolotl.cli.config import load_cfg
+    from axolotl.utils.dict import DictDefault
+    from pydantic import ValidationError
+
+    from lce_patch.integrations.axolotl import LCEPatchArgs
+
+    typos = {}
+    for key in TYPOS:
+        try:
+            LCEPatchArgs.model_validate({key: 1})
+            typos[key] = None
+        except ValidationError as err:
+            typos[key] = err.errors()[0]["msg"]
+    valid = dict(
+        lce_patch=True,
+        lce_patch_chunk_size=64,
+        lce_patch_backend="torch",
+        lce_patch_return_logits_in_eval=True,
+        lce_patch_allow_unregistered=False,
+    )
+    cfg = load_cfg(DictDefault({**base_config(model_path, workdir, "valid_keys"), "plugins": [PLUGIN], **valid}))
+    return {
+        "misspelt": refusals(model_path, workdir, MISSPELT),
+        "typos": typos,
+        "valid_keys_loaded": {key: cfg.get(key) for key in valid} == valid,
+    }
+
+
+def plain_4bit_on_cpu() -> None:
+    """On a CPU with AVX512-BF16, bitsandbytes 0.50's Linear4bit repacks its weight for inference (eval mode, no
+    grad) in blocks wider than these tiny models' hidden size (32 < 64) and fails, "shape '[32, 0]' is invalid",
+    with or without the plugin. Keep the plain 4-bit path, which CPUs without AVX512-BF16 take."""
+    import bitsandbytes.nn.modules
+
+    bitsandbytes.nn.modules.has_avx512bf16 = lambda: False  # read by each Linear4bit as it is built
+
+
 def main() -> None:
     workdir, out_path = Path(sys.argv[1]), Path(sys.argv[2])
+    plain_4bit_on_cpu()
     paths = build_models(workdir)
     counter = OpCounter()
     # axolotl's fused LoRA kernels are CUDA-only: off on the CPU
@@ -213,22 +277,37 @@ def main() -> None:
     for name, (model_path, overrides, _) in runs.items():
         try:
             config = {**base_config(model_path, workdir, name), **overrides}
-            reference = train_once(config, counter, predict=name == "gemma2_full")
-            fused = train_once({**config, "plugins": [PLUGIN]}, counter, predict=name == "gemma2_full")
+            reference = train_once(config, counter, predict=name == "gemma2_full", label=f"{name}/reference")
+            fused = train_once(
+                {**config, "plugins": [PLUGIN]}, counter, predict=name == "gemma2_full", label=f"{name}/fused"
+            )
             results[name] = compare(reference, fused)
             if name == "gemma2_full":
+                options = dict(
+                    lce_patch_return_logits_in_eval=False, lce_patch_chunk_size=64, lce_patch_backend="torch"
+                )
                 no_logits = train_once(
-                    {**config, "plugins": [PLUGIN], "lce_patch_return_logits_in_eval": False}, counter, predict=True
+                    {**config, "plugins": [PLUGIN], **options}, counter, predict=True, label="gemma2_no_eval_logits"
                 )
                 results["gemma2_no_eval_logits"] = compare(reference, no_logits)
-                switched_off = train_once({**config, "plugins": [PLUGIN], "lce_patch": False}, counter, predict=False)
+                switched_off = train_once(
+                    {**config, "plugins": [PLUGIN], "lce_patch": False},
+                    counter,
+                    predict=False,
+                    label="gemma2_switched_off",
+                )
                 results["gemma2_switched_off"] = compare(reference, switched_off)
         except Exception:
             results["errors"][name] = traceback.format_exc()
     try:
-        results["refused"] = refusals(paths["llama"], workdir)
+        print(MARK + "validation", flush=True)
+        results["refused"] = refusals(paths["llama"], workdir, REFUSED)
     except Exception:
         results["errors"]["refused"] = traceback.format_exc()
+    try:
+        results["keys"] = key_checks(paths["llama"], workdir)
+    except Exception:
+        results["errors"]["keys"] = traceback.format_exc()
     out_path.write_text(json.dumps(results, indent=1))
 
 

@@ -18,6 +18,10 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 RUNS = Path(__file__).with_name("axolotl_runs.py")
 TRAIN_STEPS, GRAD_ACCUM = 3, 2
+MARK = "@@ axolotl run: "  # axolotl_runs.py prints it and the run's name before each run
+PLUGIN_KEYS = (
+    "lce_patch, lce_patch_chunk_size, lce_patch_backend, lce_patch_return_logits_in_eval, lce_patch_allow_unregistered"
+)
 
 
 def _axolotl_python() -> str | None:
@@ -37,15 +41,29 @@ def runs(tmp_path_factory) -> dict:
         pytest.skip("no axolotl environment (.ci-deps/axolotl or LCE_PATCH_AXOLOTL_PYTHON)")
     workdir = tmp_path_factory.mktemp("axolotl")
     out = workdir / "runs.json"
-    # this checkout's lce_patch, whatever that environment has installed
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    # this checkout's lce_patch, whatever that environment has installed; axolotl's default log levels
+    env = {key: value for key, value in os.environ.items() if key not in ("AXOLOTL_LOG_LEVEL", "LOG_LEVEL")}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
     proc = subprocess.run(
         [python, str(RUNS), str(workdir), str(out)], capture_output=True, text=True, timeout=1200, cwd=workdir, env=env
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     results = json.loads(out.read_text())
     assert not results["errors"], "\n".join(results["errors"].values())
+    results["output"] = proc.stdout  # where axolotl's console logging writes
     return results
+
+
+def _log_sections(output: str) -> dict[str, list[str]]:
+    """Each run's lines of the runs' stdout, by the run's name."""
+    sections: dict[str, list[str]] = {}
+    lines: list[str] = []
+    for line in output.splitlines():
+        if line.startswith(MARK):
+            lines = sections.setdefault(line[len(MARK) :].strip(), [])
+        else:
+            lines.append(line)
+    return sections
 
 
 @pytest.mark.parametrize(
@@ -106,3 +124,83 @@ def test_plugin_is_registered_as_an_axolotl_entry_point():
     assert [(point.name, point.value) for point in points] == [
         ("lce_patch", "lce_patch.integrations.axolotl:LCEPatchPlugin")
     ]
+
+
+DEFAULTS = "chunk_size=auto, backend=auto, return_logits_in_eval=auto, allow_unregistered=False"
+
+
+@pytest.mark.parametrize(
+    ("name", "expected"),
+    [
+        ("llama_full/fused", f"LlamaForCausalLM (model_type llama) {{}}: {DEFAULTS}"),
+        ("llama_lora/fused", f"LlamaForCausalLM (model_type llama, in PeftModelForCausalLM) {{}}: {DEFAULTS}"),
+        ("gemma2_full/fused", f"Gemma2ForCausalLM (model_type gemma2) {{}}: {DEFAULTS}"),
+        (
+            "gemma2_no_eval_logits",
+            "Gemma2ForCausalLM (model_type gemma2) {}: "
+            "chunk_size=64, backend=torch, return_logits_in_eval=False, allow_unregistered=False",
+        ),
+    ],
+)
+def test_patched_model_is_logged_at_axolotl_default_level(runs, name, expected):
+    # at axolotl's default levels (INFO for axolotl's loggers, WARNING for the rest), through axolotl's own handler
+    sections = _log_sections(runs["output"])
+    lines = [line for line in sections[name] if "lce_patch: patched" in line]
+    line = "lce_patch: patched " + expected.format("to train with the fused linear cross-entropy")
+    assert len(lines) == 1, lines
+    assert "[INFO] [axolotl.integrations.lce_patch] " + line in lines[0]
+
+
+def test_no_patched_line_without_the_plugin_or_with_it_off(runs):
+    sections = _log_sections(runs["output"])
+    quiet = [name for name in sections if name.endswith("/reference")] + ["gemma2_switched_off"]
+    assert len(quiet) == 7
+    for name in quiet:
+        assert not [line for line in sections[name] if "lce_patch: patched" in line], name
+    # every run with the plugin on logs its line once
+    fused = [name for name in sections if name.endswith("/fused")] + ["gemma2_no_eval_logits"]
+    assert len(fused) == 7
+    for name in fused:
+        assert sum("lce_patch: patched" in line for line in sections[name]) == 1, name
+
+
+@pytest.mark.parametrize(
+    ("name", "unknown"),
+    [
+        ("chunk_size", "key `lce_patch_chunksize` (did you mean `lce_patch_chunk_size`?)"),
+        ("backend_plugin_off", "key `lce_patch_backnd` (did you mean `lce_patch_backend`?)"),
+        (
+            "two_keys",
+            "keys `LCE-PATCH-RETURN-LOGITS` (did you mean `lce_patch_return_logits_in_eval`?), `lce_patch_xyzzy`",
+        ),
+    ],
+)
+def test_misspelt_keys_are_refused_at_validation(runs, name, unknown):
+    message = runs["keys"]["misspelt"][name]
+    assert message is not None, f"{name}: the config was accepted"
+    assert f"lce_patch: unknown {unknown}; the plugin's keys are {PLUGIN_KEYS}" in message
+
+
+def test_every_valid_key_is_accepted(runs):
+    assert runs["keys"]["valid_keys_loaded"]
+
+
+@pytest.mark.parametrize(
+    ("key", "suggestion"),
+    [
+        ("lce_patch_chunksize", "lce_patch_chunk_size"),
+        ("lce_patch_chunk", "lce_patch_chunk_size"),
+        ("lce_patch_backnd", "lce_patch_backend"),
+        ("lce_patch_return_logits", "lce_patch_return_logits_in_eval"),
+        ("lce_patch_eval", "lce_patch_return_logits_in_eval"),
+        ("lce_patch_allow_unregisterd", "lce_patch_allow_unregistered"),
+        ("LCE_PATCH_CHUNK_SIZE", "lce_patch_chunk_size"),
+        ("lcepatch", "lce_patch"),
+        ("lce_patch_xyzzy", None),
+    ],
+)
+def test_misspelt_key_names_the_closest_valid_key(runs, key, suggestion):
+    # LCEPatchArgs alone, in the axolotl environment
+    message = runs["keys"]["typos"][key]
+    hint = f" (did you mean `{suggestion}`?)" if suggestion else ""
+    assert message == f"Value error, lce_patch: unknown key `{key}`{hint}; the plugin's keys are {PLUGIN_KEYS}"
