@@ -86,7 +86,7 @@ def main() -> None:
     from bench_common import env_info, free, make_inputs
 
     from lce_patch import fused_linear_cross_entropy
-    from lce_patch.ops.linear_cross_entropy.chunked import chunk_spans, resolve_chunks
+    from lce_patch.ops.core.chunking import chunk_spans, resolve_chunks
 
     device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32

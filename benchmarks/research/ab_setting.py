@@ -1,6 +1,6 @@
 """A/B of one module-level setting of the chunked op, in one process, on the shapes of bench_lce.py.
 
-``--setting NAME=A,B`` names a constant of ``lce_patch.ops.linear_cross_entropy.chunked`` and two values
+``--setting NAME=A,B`` names a constant of ``lce_patch.ops.core.chunking`` or ``lce_patch.ops.core.grads`` and two values
 (Python literals), e.g. ``OVERLAP_WEIGHT_GRADS=True,False`` (dW GEMMs on a second stream or not) or
 ``TAIL_FOLD_FRACTION=8,1000000000`` (a short last chunk folded into the one before, or never). For each
 shape and token count N it times ``fused_linear_cross_entropy`` forward+backward (bf16, peaked data,
@@ -28,7 +28,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench_common, be
 from bench_common import IGNORE, env_info, make_inputs  # noqa: E402
 from bench_lce import SHAPES  # noqa: E402
 
-from lce_patch.ops.linear_cross_entropy import chunked, fused_linear_cross_entropy  # noqa: E402
+from lce_patch.ops.core import chunking, grads  # noqa: E402
+from lce_patch.ops.linear_cross_entropy import fused_linear_cross_entropy  # noqa: E402
+
+
+def setting_module(setting: str):
+    """The core module that holds ``setting`` (the chunk policy's or the gradient accumulation's), or None."""
+    return next((module for module in (chunking, grads) if hasattr(module, setting)), None)
 
 
 def measure(name: str, n: int, setting: str, values: list, args) -> dict:
@@ -45,19 +51,20 @@ def measure(name: str, n: int, setting: str, values: list, args) -> dict:
     def step():
         fused_linear_cross_entropy(h, w, y, softcap=softcap, skip_ignored=args.skip_ignored).backward()
 
-    original = getattr(chunked, setting)
+    module = setting_module(setting)
+    original = getattr(module, setting)
     times: list[list[float]] = [[] for _ in values]
     row: dict = {"shape": name, "n": n, "setting": setting, "skip_ignored": args.skip_ignored}
     try:
         for round_index in range(args.rounds):
             order = range(len(values)) if round_index % 2 == 0 else reversed(range(len(values)))
             for index in order:
-                setattr(chunked, setting, values[index])
+                setattr(module, setting, values[index])
                 times[index].append(
                     triton.testing.do_bench(step, warmup=10, rep=150, grad_to_none=leaves, return_mode="median")
                 )
         for index, value in enumerate(values):
-            setattr(chunked, setting, value)
+            setattr(module, setting, value)
             for leaf in leaves:
                 leaf.grad = None
             torch.cuda.synchronize()
@@ -66,7 +73,7 @@ def measure(name: str, n: int, setting: str, values: list, args) -> dict:
             step()
             torch.cuda.synchronize()
             processed = int((y != IGNORE).sum()) if args.skip_ignored else n  # the rows the op chunks
-            chunks = chunked.resolve_chunks(None, processed, h, w, True, True)
+            chunks = chunking.resolve_chunks(None, processed, h, w, True, True)
             row[repr(value)] = {
                 "ms": statistics.median(times[index]),
                 "ms_rounds": times[index],
@@ -75,13 +82,15 @@ def measure(name: str, n: int, setting: str, values: list, args) -> dict:
                 "last_two_chunk_rows": [stop - start for start, stop in chunks[-2:]],
             }
     finally:
-        setattr(chunked, setting, original)
+        setattr(module, setting, original)
     return row
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--setting", required=True, help="NAME=A,B: a constant of chunked.py and two values")
+    p.add_argument(
+        "--setting", required=True, help="NAME=A,B: a constant of core/chunking.py or core/grads.py and two values"
+    )
     p.add_argument("--shapes", default="llama3-8b,qwen2.5-7b,gemma2-2b", help=f"from: {', '.join(SHAPES)}")
     p.add_argument("--n", default="", help="comma list of token counts (default: each shape's own N)")
     p.add_argument("--ignore-every", type=int, default=0, help="every k-th label ignored (0: none)")
@@ -91,8 +100,8 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=default_out)
     args = p.parse_args(argv)
     setting, _, raw_values = args.setting.partition("=")
-    if not hasattr(chunked, setting):
-        p.error(f"chunked.py has no setting {setting!r}")
+    if setting_module(setting) is None:
+        p.error(f"neither core/chunking.py nor core/grads.py has a setting {setting!r}")
     values = [ast.literal_eval(value) for value in raw_values.split(",")]
     if not torch.cuda.is_available():
         print("ab_setting.py needs a CUDA device", file=sys.stderr)

@@ -9,7 +9,7 @@ reference next to cuBLAS's own error, on odd sizes and views (a check passes whe
 * ``cublas_mm``: ``torch.mm(G.T, h, out=dW)`` (no old tile: the bound an accumulating GEMM aims at);
 * ``gluon_acc`` / ``gluon_mm``: the Gluon kernel accumulating / writing a fresh dW;
 * ``pair_cublas`` / ``pair_gluon``: the op's schedule for one chunk, dh = G @ W on the current stream and the
-  dW GEMM on a second stream (chunked.OVERLAP_WEIGHT_GRADS), with either dW GEMM.
+  dW GEMM on a second stream (core.grads.OVERLAP_WEIGHT_GRADS), with either dW GEMM.
 
 Variants interleaved over ``--rounds`` rounds (median of ``do_bench`` medians). Needs a Hopper GPU. Prints JSON
 lines and writes them to ``--out`` (default ``$OUT/probe_weight_grad.json``).

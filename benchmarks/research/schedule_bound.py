@@ -47,8 +47,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench_common, be
 from bench_common import env_info, make_inputs  # noqa: E402
 from bench_lce import SHAPES, build  # noqa: E402
 
+from lce_patch.ops.core.chunking import resolve_chunks  # noqa: E402
 from lce_patch.ops.linear_cross_entropy import fused_linear_cross_entropy  # noqa: E402
-from lce_patch.ops.linear_cross_entropy.chunked import resolve_chunks  # noqa: E402
 
 SHAPE_NAMES = ("llama3-8b", "qwen2.5-7b", "gemma2-2b")  # bench_lce.py's shapes with a trainable W
 

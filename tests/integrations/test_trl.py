@@ -447,22 +447,22 @@ def test_sft_trainer_callback_matches_trl_head(tmp_path, kind):
 def test_sft_trainer_gradient_precompute_and_its_fallback(tmp_path, loss_type, monkeypatch):
     # With loss_type="nll" the op's forward precomputes the gradient (no recompute in backward); "dft"
     # weights each token differently, so the backward recomputes. Both must train like TRL's head.
-    from lce_patch.ops.linear_cross_entropy import chunked
+    from lce_patch.ops.linear_cross_entropy import autograd, chunked
 
     backward_projections = []
-    real_backward = chunked.LinearCrossEntropyFunction._recompute_backward
-    real_matmul = chunked._matmul_into
+    real_backward = autograd.LinearCrossEntropyFunction._recompute_backward
+    real_matmul = chunked.logits_into
 
     def counting_backward(ctx, *args):
         calls = []
-        monkeypatch.setattr(chunked, "_matmul_into", lambda *a: calls.append(1) or real_matmul(*a))
+        monkeypatch.setattr(chunked, "logits_into", lambda *a: calls.append(1) or real_matmul(*a))
         try:
             return real_backward(ctx, *args)
         finally:
-            monkeypatch.setattr(chunked, "_matmul_into", real_matmul)
+            monkeypatch.setattr(chunked, "logits_into", real_matmul)
             backward_projections.append(len(calls))
 
-    monkeypatch.setattr(chunked.LinearCrossEntropyFunction, "_recompute_backward", staticmethod(counting_backward))
+    monkeypatch.setattr(autograd.LinearCrossEntropyFunction, "_recompute_backward", staticmethod(counting_backward))
     _, theirs, _ = train_sft(tmp_path / "trl", loss_type=loss_type)
     _, ours, _ = train_sft(tmp_path / "ours", callbacks=[lce_callback()], loss_type=loss_type)
     assert_same_logs(theirs, ours, rtol=1e-4)

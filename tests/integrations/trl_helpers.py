@@ -11,7 +11,7 @@ import torch
 from trl.kernels.chunked_logprob import ChunkedLogProbFunction
 
 import lce_patch.ops as lce_ops
-from lce_patch.ops.linear_cross_entropy.chunked import LinearCrossEntropyFunction
+from lce_patch.ops.linear_cross_entropy.autograd import LinearCrossEntropyFunction
 from tests.models.tiny import COMMON_CONFIG
 
 VOCAB = 64

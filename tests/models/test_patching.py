@@ -417,7 +417,7 @@ def test_a_model_without_an_lm_head_is_told_which_class_to_load(build, message):
 
 
 def test_triton_backend_through_a_patched_model():
-    from lce_patch.ops.linear_cross_entropy.rows import triton_usable
+    from lce_patch.ops.core.backend import triton_usable
 
     if not triton_usable(torch.device("cpu")) and not torch.cuda.is_available():
         pytest.skip("triton (or its CPU interpreter) is not available")

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import lce_patch
-from lce_patch.ops.linear_cross_entropy.rows import triton_usable
+from lce_patch.ops.core.backend import triton_usable
 
 from .tiny import VOCAB, assert_close, assert_grads_match, pair
 

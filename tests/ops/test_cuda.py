@@ -1,7 +1,10 @@
-"""The reference checks on a CUDA GPU with the compiled Triton kernels (skipped without a GPU).
+"""GPU-only checks of the compiled Triton kernels (skipped without LCE_TEST_GPU=1).
 
-Run on a GPU machine with ``LCE_TEST_GPU=1 python -m pytest tests/ops``. bf16 is checked here
-because the CPU interpreter cannot run bf16 dots.
+Run on a GPU machine with ``LCE_TEST_GPU=1 python -m pytest tests/ops``: the other files' Triton cases
+then run on the GPU too (devices.py), at their small sizes. Here: the reference checks at GPU-sized odd
+shapes (several vocabulary blocks, 128-row chunks) in fp32, fp16 and bf16 (the CPU interpreter cannot
+run bf16 dots), no host syncs, device asserts, the side stream of the weight gradients and CUDA graphs.
+TF32 is off for every test under the flag (conftest.py).
 """
 
 from __future__ import annotations
@@ -15,18 +18,14 @@ import torch
 
 from lce_patch import fused_linear_cross_entropy
 
+from .devices import GPU
 from .test_linear_cross_entropy import OPTION_SETS, check_against_reference
 from .test_linear_cross_entropy_low_rank import OPTION_SETS as LOW_RANK_OPTION_SETS
 from .test_linear_cross_entropy_low_rank import check_low_rank
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+pytestmark = pytest.mark.skipif(not GPU, reason="needs a CUDA GPU and LCE_TEST_GPU=1")
 CUDA = torch.device("cuda")
 SIZE = {"n": 300, "d": 72, "v": 5003}  # odd sizes: V and D are not multiples of any block size
-
-
-@pytest.fixture(autouse=True)
-def _no_tf32(monkeypatch):
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
 
 
 @pytest.mark.parametrize("options", OPTION_SETS, ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()) or "default")
@@ -130,11 +129,11 @@ def test_triton_mean_logits_and_log_sum_sq_probs(dtype, atol, options):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("reduction", ["mean", "none"])
 def test_weight_grads_on_a_side_stream_equal_the_serial_order(monkeypatch, dtype, reduction, layout):
-    # Each chunk's dW GEMM runs on a second stream beside its dh GEMM (chunked.OVERLAP_WEIGHT_GRADS):
+    # Each chunk's dW GEMM runs on a second stream beside its dh GEMM (core.grads.OVERLAP_WEIGHT_GRADS):
     # the same GEMMs on the same inputs, so loss and gradients must be bitwise those of the serial
     # order, also when the caller works on a stream of its own, for the recomputing backward, and for
     # views (column-major hidden and weight, a strided bias, labels sliced from a wider tensor).
-    from lce_patch.ops.linear_cross_entropy import chunked
+    from lce_patch.ops.core import grads
 
     gen = torch.Generator(device=CUDA).manual_seed(0)
     hidden = torch.randn(700, 96, device=CUDA, generator=gen).to(dtype)
@@ -147,7 +146,7 @@ def test_weight_grads_on_a_side_stream_equal_the_serial_order(monkeypatch, dtype
         bias, labels = bias[:, 1:].contiguous(), labels.contiguous()
     results = {}
     for overlap in (False, True):
-        monkeypatch.setattr(chunked, "OVERLAP_WEIGHT_GRADS", overlap)
+        monkeypatch.setattr(grads, "OVERLAP_WEIGHT_GRADS", overlap)
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
@@ -168,9 +167,9 @@ def test_weight_grads_on_a_side_stream_equal_the_serial_order(monkeypatch, dtype
 def test_a_captured_cuda_graph_replays_the_eager_step(monkeypatch, reduction, overlap):
     # A training step captured in a CUDA graph must replay to the eager step's loss and gradients, also
     # when each chunk's dW GEMM forks onto a second stream and joins back (``overlap``, recorded in the graph).
-    from lce_patch.ops.linear_cross_entropy import chunked
+    from lce_patch.ops.core import grads
 
-    monkeypatch.setattr(chunked, "OVERLAP_WEIGHT_GRADS", overlap)
+    monkeypatch.setattr(grads, "OVERLAP_WEIGHT_GRADS", overlap)
     gen = torch.Generator(device=CUDA).manual_seed(1)
     hidden = torch.randn(700, 96, device=CUDA, generator=gen).requires_grad_()
     weight = (torch.randn(3001, 96, device=CUDA, generator=gen) / 96**0.5).requires_grad_()

@@ -3,8 +3,9 @@
 Each case builds its inputs as *views* of contiguous base tensors (transposed, sliced, permuted,
 expanded), runs the op on the views, and compares the loss (or the per-token outputs) and the
 gradients of the base tensors with the same views of float64 bases through the unfused reference.
-The Triton backend runs under the CPU interpreter in fp32 and fp16 (bf16 dots are broken there;
-``benchmarks/gpu_check.py`` runs the same matrix on a GPU in bf16 too). Tolerances: fp32 1e-5 (a few
+The Triton backend runs on the GPU under LCE_TEST_GPU=1, else under the CPU interpreter, in fp32 and
+fp16 (bf16 dots are broken in the interpreter; ``benchmarks/gpu_check.py`` runs the same matrix on a
+GPU in bf16 too); its views are taken on its device (devices.py). Tolerances: fp32 1e-5 (a few
 ulps times sqrt(V)); fp16 5e-3 (every logit is rounded to 11 bits, as in test_half_precision).
 """
 
@@ -20,7 +21,8 @@ from lce_patch.ops.linear_cross_entropy import (
     naive_token_outputs,
 )
 
-from .test_linear_cross_entropy import BACKENDS, rel_err
+from .devices import BACKENDS, CPU, device_of, on
+from .test_linear_cross_entropy import rel_err
 
 N, T, B, D, V = 24, 12, 2, 16, 70
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 5e-3}
@@ -72,23 +74,25 @@ WEIGHT_CASES = {
 LABEL_CASES = ("contiguous", "sliced", "expanded", "transposed")
 
 
-def _make_labels(case: str, shape: tuple, generator) -> torch.Tensor:
+def _make_labels(case: str, shape: tuple, generator, device=CPU) -> torch.Tensor:
+    # the view is taken on ``device``: a copy to another device would not keep the layout
     if case == "contiguous":
-        return _labels(generator, shape)
+        return _labels(generator, shape).to(device)
     if case == "sliced":
-        return _labels(generator, (*shape[:-1], 2 * shape[-1]))[..., ::2]
+        return _labels(generator, (*shape[:-1], 2 * shape[-1])).to(device)[..., ::2]
     if case == "expanded":  # one label repeated along the last dim
         first = _labels(generator, (*shape[:-1], 1), ignore_every=3)
-        return first.expand(shape)
+        return first.to(device).expand(shape)
     if len(shape) == 2:  # transposed 2-D
-        return _labels(generator, shape[::-1]).t()
-    return _labels(generator, (2, shape[0]))[1]  # 1-D: a row of a 2-D tensor, stride 1 but offset
+        return _labels(generator, shape[::-1]).to(device).t()
+    return _labels(generator, (2, shape[0])).to(device)[1]  # 1-D: a row of a 2-D tensor, stride 1 but offset
 
 
 def _run_case(
     hidden_case, weight_case, label_case, *, backend, dtype, bias, shift=False, per_token=False, chunk_size=7
 ):
     g = torch.Generator().manual_seed(hash((hidden_case, weight_case, label_case, bias, shift, per_token)) % 2**31)
+    device = device_of(backend)
     hidden_bases, make_hidden = HIDDEN_CASES[hidden_case](g)
     weight_base = WEIGHT_CASES[weight_case](g)
     bias_base = torch.randn(2 * V, generator=g)[::2] if bias else None  # strided bias
@@ -96,12 +100,13 @@ def _run_case(
     with torch.no_grad():
         weight_base = weight_base.double() / D**0.5 * 2
     hidden_shape = make_hidden({"hidden": hidden_base}).shape
-    labels = _make_labels(label_case, tuple(hidden_shape[:-1]), g)
+    labels = _make_labels(label_case, tuple(hidden_shape[:-1]), g, device)
+    ref_labels = labels.cpu()
 
-    # The float64 leaves are the bases themselves; the copies in ``dtype`` keep their strides, so the
-    # op sees the layout under test.
+    # The float64 leaves are the bases themselves; the copies in ``dtype`` (on the backend's device) keep
+    # their strides, so the op sees the layout under test.
     def as_layout(t, dtype_):
-        out = torch.empty_strided(t.shape, t.stride(), dtype=dtype_)
+        out = torch.empty_strided(t.shape, t.stride(), dtype=dtype_, device=device)
         out.copy_(t)
         return out
 
@@ -114,23 +119,25 @@ def _run_case(
     assert w.stride() == weight_base.stride() and h.stride() == hidden_base.stride()
 
     if per_token:
-        ref = naive_token_outputs(make_hidden({"hidden": ref_h}), ref_w, labels, bias=ref_b)
+        ref = naive_token_outputs(make_hidden({"hidden": ref_h}), ref_w, ref_labels, bias=ref_b)
         out = fused_linear_log_probs(
             make_hidden({"hidden": h}), w, labels, bias=b, shift=shift, return_entropy=True, return_is_top1=True,
             return_mean_logits=True, return_log_sum_sq_probs=True, backend=backend, chunk_size=chunk_size,
         )  # fmt: skip
-        statistics = naive_distribution_statistics(make_hidden({"hidden": ref_h}), ref_w, labels, bias=ref_b)
+        statistics = naive_distribution_statistics(make_hidden({"hidden": ref_h}), ref_w, ref_labels, bias=ref_b)
         for got, want in zip((out.mean_logits, out.log_sum_sq_probs), statistics, strict=True):
             assert rel_err(got, want) < TOLERANCE[dtype]
         g_lp, g_ent = torch.randn_like(ref[0]), torch.randn_like(ref[1])
         ref_loss = (ref[0] * g_lp + ref[1] * g_ent).sum()
-        loss = (out.log_probs * g_lp.to(torch.float32) + out.entropy * g_ent.to(torch.float32)).sum()
+        loss = (out.log_probs * on(backend, g_lp.float()) + out.entropy * on(backend, g_ent.float())).sum()
         tol = TOLERANCE[dtype]
         assert rel_err(out.log_probs, ref[0]) < tol and rel_err(out.entropy, ref[1]) < tol
         if dtype == torch.float32:
-            assert torch.equal(out.is_top1, ref[2])
+            assert torch.equal(out.is_top1.cpu(), ref[2])
     else:
-        ref_loss = naive_linear_cross_entropy(make_hidden({"hidden": ref_h}), ref_w, labels, bias=ref_b, shift=shift)
+        ref_loss = naive_linear_cross_entropy(
+            make_hidden({"hidden": ref_h}), ref_w, ref_labels, bias=ref_b, shift=shift
+        )
         loss = fused_linear_cross_entropy(
             make_hidden({"hidden": h}), w, labels, bias=b, shift=shift, backend=backend, chunk_size=chunk_size
         )
@@ -183,16 +190,17 @@ def test_every_view_at_once_with_skipped_rows(backend):
     hidden = torch.randn(D, N, generator=g, dtype=torch.float64).t()
     weight = (torch.randn(D, V, generator=g, dtype=torch.float64) / D**0.5 * 2).t()
     bias = torch.randn(2 * V, generator=g, dtype=torch.float64)[::2]
-    labels = _labels(g, (2 * N,))[::2]
+    label_base = _labels(g, (2 * N,))
+    labels = label_base[::2]
     ref_inputs = [t.detach().requires_grad_() for t in (hidden, weight, bias)]
     ref = naive_linear_cross_entropy(ref_inputs[0], ref_inputs[1], labels, bias=ref_inputs[2])
     ref.backward()
     ours = []
     for t in (hidden, weight, bias):
-        copy = torch.empty_strided(t.shape, t.stride(), dtype=torch.float32)
+        copy = torch.empty_strided(t.shape, t.stride(), dtype=torch.float32, device=device_of(backend))
         ours.append(copy.copy_(t).requires_grad_())
     loss = fused_linear_cross_entropy(
-        ours[0], ours[1], labels, bias=ours[2], backend=backend, chunk_size=5, skip_ignored=True
+        ours[0], ours[1], on(backend, label_base)[::2], bias=ours[2], backend=backend, chunk_size=5, skip_ignored=True
     )
     loss.backward()
     assert rel_err(loss, ref) < 1e-5
@@ -205,11 +213,11 @@ def test_every_view_at_once_with_skipped_rows(backend):
 def test_views_through_the_default_chunks_with_a_folded_tail(backend, dtype, monkeypatch):
     """Transposed hidden and weight, strided bias, sliced labels at the default chunking, made to end in a
     folded tail (10-row chunks, a 4-row remainder joined to the last: 10 + 14 rows)."""
-    from lce_patch.ops.linear_cross_entropy import chunked
+    from lce_patch.ops.core import chunking
 
-    monkeypatch.setattr(chunked, "default_chunk_rows", lambda *args, **kwargs: 10)
-    monkeypatch.setattr(chunked, "TAIL_FOLD_FRACTION", 2)
-    assert chunked.chunk_spans(N, 10, fold_tail=True) == ((0, 10), (10, N))
+    monkeypatch.setattr(chunking, "default_chunk_rows", lambda *args, **kwargs: 10)
+    monkeypatch.setattr(chunking, "TAIL_FOLD_FRACTION", 2)
+    assert chunking.chunk_spans(N, 10, fold_tail=True) == ((0, 10), (10, N))
     for per_token in (False, True):
         _run_case(
             "transposed", "transposed", "sliced", backend=backend, dtype=dtype, bias=True, per_token=per_token,

@@ -1,8 +1,9 @@
 """The fused op against the unfused float64 reference, on both backends.
 
-On a CPU machine the "triton" backend runs the real kernels under TRITON_INTERPRET=1 (set in
-conftest). fp32 results must match the float64 reference to 1e-5 relative: the op reduces in fp32
-over at most V or D terms per element, so its error is a few ulps times sqrt(V) ~ 1e-6.
+The "triton" backend runs the real kernels on the GPU under LCE_TEST_GPU=1, else under the CPU
+interpreter (TRITON_INTERPRET=1, set in conftest); devices.py places each backend's inputs. fp32
+results must match the float64 reference to 1e-5 relative: the op reduces in fp32 over at most V or
+D terms per element, so its error is a few ulps times sqrt(V) ~ 1e-6.
 """
 
 from __future__ import annotations
@@ -18,11 +19,8 @@ from lce_patch.ops.linear_cross_entropy import (
     naive_token_outputs,
 )
 from lce_patch.ops.linear_cross_entropy.rows import _BLOCK_V_STATS as BLOCK
-from lce_patch.ops.linear_cross_entropy.rows import triton_usable
 
-# CPU tests; tests/ops/test_cuda.py reruns the reference checks on a GPU.
-DEVICE = torch.device("cpu")
-BACKENDS = ["torch"] + (["triton"] if triton_usable(DEVICE) else [])
+from .devices import BACKENDS, CPU, TRITON_BF16, TRITON_DEVICE, device_of, on
 
 
 def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
@@ -43,13 +41,14 @@ def make_inputs(n=37, d=19, v=101, *, batch=None, bias=False, ignore_every=5, se
     return hidden, weight, labels, b
 
 
-def leaf(t, dtype, requires_grad=True, device=DEVICE):
+def leaf(t, dtype, requires_grad=True, device=CPU):
     return None if t is None else t.to(device, dtype).detach().requires_grad_(requires_grad)
 
 
 def check_against_reference(
-    options, *, backend, dtype=torch.float32, tol=1e-5, bias=False, batch=None, chunk_size=8, device=DEVICE, size=None
+    options, *, backend, dtype=torch.float32, tol=1e-5, bias=False, batch=None, chunk_size=8, device=None, size=None
 ):
+    device = device_of(backend) if device is None else device
     hidden, weight, labels, b = make_inputs(bias=bias, batch=batch, **(size or {}))
     labels[labels == -100] = options.get("ignore_index", -100)
     reduction = options.get("reduction", "mean")
@@ -124,13 +123,15 @@ def test_skipping_ignored_rows_of_token_outputs(backend):
     log_probs, entropy, is_top1 = naive_token_outputs(hidden.requires_grad_(), weight.requires_grad_(), labels)
     up_lp, up_ent = torch.randn_like(log_probs), torch.randn_like(entropy)
     ref_grads = torch.autograd.grad((log_probs * up_lp + entropy * up_ent).sum(), [hidden, weight])
-    h, w = leaf(hidden, torch.float32), leaf(weight, torch.float32)
+    device = device_of(backend)
+    h, w = leaf(hidden, torch.float32, device=device), leaf(weight, torch.float32, device=device)
     out = fused_linear_log_probs(
-        h, w, labels, return_entropy=True, return_is_top1=True, backend=backend, chunk_size=4, skip_ignored=True
-    )
+        h, w, on(backend, labels), return_entropy=True, return_is_top1=True, backend=backend, chunk_size=4,
+        skip_ignored=True,
+    )  # fmt: skip
     assert rel_err(out.log_probs, log_probs) < 1e-5 and rel_err(out.entropy, entropy) < 1e-5
-    assert torch.equal(out.is_top1, is_top1)
-    (out.log_probs * up_lp.float() + out.entropy * up_ent.float()).sum().backward()
+    assert torch.equal(out.is_top1.cpu(), is_top1)
+    (out.log_probs * on(backend, up_lp.float()) + out.entropy * on(backend, up_ent.float())).sum().backward()
     for got, want in zip((h, w), ref_grads):
         assert rel_err(got.grad, want) < 1e-5
     assert not h.grad[:, :4].any()  # ignored rows get exact zeros
@@ -163,13 +164,15 @@ def test_skipped_rows_are_gathered_into_dh_and_placed_back(
     ref = naive_linear_cross_entropy(hidden.requires_grad_(), weight.requires_grad_(), labels, reduction=reduction)
     upstream = torch.randn_like(ref) if reduction == "none" else torch.tensor(1.3, dtype=torch.float64)
     ref_grads = torch.autograd.grad(ref, [hidden, weight], upstream)
-    h, w = leaf(hidden, torch.float32), leaf(weight, torch.float32, requires_grad=not frozen_weight)
+    device = device_of(backend)
+    h = leaf(hidden, torch.float32, device=device)
+    w = leaf(weight, torch.float32, requires_grad=not frozen_weight, device=device)
     out = fused_linear_cross_entropy(
-        h, w, labels, reduction=reduction, backend=backend, chunk_size=chunk_size, skip_ignored=True
+        h, w, on(backend, labels), reduction=reduction, backend=backend, chunk_size=chunk_size, skip_ignored=True
     )
-    out.backward(upstream.float())
+    out.backward(on(backend, upstream.float()))
     assert rel_err(out, ref) < 1e-5
-    assert torch.equal(h.grad[ignored], torch.zeros_like(h.grad[ignored]))
+    assert torch.equal(h.grad.cpu()[ignored], torch.zeros_like(h.grad.cpu()[ignored]))
     assert rel_err(h.grad, ref_grads[0]) < 1e-5
     if not frozen_weight:
         assert rel_err(w.grad, ref_grads[1]) < 1e-5
@@ -186,9 +189,9 @@ def test_vocab_sizes_at_the_kernel_block_edges(backend, vocab_size, options):
     ref = naive_linear_cross_entropy(hidden.requires_grad_(), weight.requires_grad_(), labels, **options)
     upstream = torch.rand_like(ref) + 0.5
     ref_grads = torch.autograd.grad(ref, [hidden, weight], upstream)
-    h, w = leaf(hidden, torch.float32), leaf(weight, torch.float32)
-    out = fused_linear_cross_entropy(h, w, labels, backend=backend, chunk_size=5, **options)
-    out.backward(upstream.float())
+    h, w = (leaf(t, torch.float32, device=device_of(backend)) for t in (hidden, weight))
+    out = fused_linear_cross_entropy(h, w, on(backend, labels), backend=backend, chunk_size=5, **options)
+    out.backward(on(backend, upstream.float()))
     assert rel_err(out, ref) < 1e-5
     assert rel_err(h.grad, ref_grads[0]) < 1e-5 and rel_err(w.grad, ref_grads[1]) < 1e-5
 
@@ -230,9 +233,10 @@ def test_one_pass_softcap_gradient_of_a_frozen_weight_matches_float64_reference(
     ref_options = {k: v for k, v in options.items() if k != "skip_ignored"}
     ref = naive_linear_cross_entropy(hidden.requires_grad_(), weight, labels, **ref_options)
     (ref_grad,) = torch.autograd.grad(ref, [hidden], torch.tensor(1.3, dtype=torch.float64))
-    h, w = leaf(hidden, torch.float32), leaf(weight, torch.float32, requires_grad=False)
-    out = fused_linear_cross_entropy(h, w, labels, backend="triton", chunk_size=chunk_size, **options)
-    out.backward(torch.tensor(1.3))
+    h = leaf(hidden, torch.float32, device=TRITON_DEVICE)
+    w = leaf(weight, torch.float32, requires_grad=False, device=TRITON_DEVICE)
+    out = fused_linear_cross_entropy(h, w, labels.to(TRITON_DEVICE), backend="triton", chunk_size=chunk_size, **options)
+    out.backward(torch.tensor(1.3, device=TRITON_DEVICE))
     assert seen and all(seen), seen
     assert rel_err(out, ref) < 1e-5
     assert rel_err(h.grad, ref_grad) < 1e-5
@@ -250,10 +254,12 @@ def test_one_pass_gradient_of_precomputed_token_log_probs(skip_ignored, monkeypa
     options = {"softcap": 5.0, "temperature": 0.7, "logit_scale": 1.3}
     log_probs, _, _ = naive_token_outputs(hidden.requires_grad_(), weight, labels, **options)
     (ref_grad,) = torch.autograd.grad(-log_probs.sum() / (labels != -100).sum(), [hidden])
-    h, w = leaf(hidden, torch.float32), leaf(weight, torch.float32, requires_grad=False)
+    h = leaf(hidden, torch.float32, device=TRITON_DEVICE)
+    w = leaf(weight, torch.float32, requires_grad=False, device=TRITON_DEVICE)
     out = fused_linear_log_probs(
-        h, w, labels, backend="triton", chunk_size=4, skip_ignored=skip_ignored, precompute_grad=True, **options
-    )
+        h, w, labels.to(TRITON_DEVICE), backend="triton", chunk_size=4, skip_ignored=skip_ignored,
+        precompute_grad=True, **options,
+    )  # fmt: skip
     assert seen and all(seen), seen
     assert rel_err(out.log_probs, log_probs) < 1e-5
     (-out.log_probs.sum() / out.label_mask.sum()).backward()
@@ -277,9 +283,10 @@ def test_one_pass_gradient_only_where_it_applies(options, monkeypatch):
     trainable = options.pop("trainable", "hidden")
     seen = _record_row_factors(monkeypatch)
     hidden, weight, labels, b = make_inputs(bias=bias)
-    h = leaf(hidden, dtype, requires_grad=trainable in ("hidden", "both"))
-    w = leaf(weight, dtype, requires_grad=trainable in ("weight", "both"))
-    bb = leaf(b, dtype)  # a trainable bias: its gradient is the sum of G's rows
+    h = leaf(hidden, dtype, requires_grad=trainable in ("hidden", "both"), device=TRITON_DEVICE)
+    w = leaf(weight, dtype, requires_grad=trainable in ("weight", "both"), device=TRITON_DEVICE)
+    bb = leaf(b, dtype, device=TRITON_DEVICE)  # a trainable bias: its gradient is the sum of G's rows
+    labels = labels.to(TRITON_DEVICE)
     fused_linear_cross_entropy(h, w, labels, bias=bb, backend="triton", chunk_size=16, **options).backward()
     assert seen and not any(seen)
 
@@ -303,17 +310,18 @@ def test_one_pass_gradient_rows_agree_with_the_two_pass_kernel_on_extreme_rows()
     raw[4, labels[4]] = raw[4].max() + 3
     raw[6, 17] = float("nan")
     transform = LogitTransform(softcap=softcap)
-    grad_scale = torch.tensor(0.25)
+    grad_scale = torch.tensor(0.25, device=TRITON_DEVICE)
 
     def run(row_factor):
-        out = RowOutputs(loss=torch.empty(rows), lse=torch.empty(rows))
-        buffer = raw.clone()
-        chunk_stats(buffer, labels, transform, out, grad_scale, True, row_factor=row_factor)
-        return buffer, out
+        out = RowOutputs(loss=torch.empty(rows, device=TRITON_DEVICE), lse=torch.empty(rows, device=TRITON_DEVICE))
+        buffer = raw.to(TRITON_DEVICE, copy=True)
+        chunk_stats(buffer, labels.to(TRITON_DEVICE), transform, out, grad_scale, True, row_factor=row_factor)
+        return buffer.cpu(), RowOutputs(loss=out.loss.cpu(), lse=out.lse.cpu())
 
     two_pass, two_out = run(None)
-    factor = torch.full((rows,), float("nan"))
+    factor = torch.full((rows,), float("nan"), device=TRITON_DEVICE)
     one_pass, one_out = run(factor)
+    factor = factor.cpu()
     one_pass = one_pass.double() * factor.double()[:, None]
 
     tanh = torch.tanh(raw.double() / softcap)
@@ -357,7 +365,7 @@ def test_chunk_size_does_not_change_the_result(backend, chunk_size):
 
 
 def test_chunk_spans_fold_a_short_tail_only_at_the_default():
-    from lce_patch.ops.linear_cross_entropy.chunked import chunk_spans
+    from lce_patch.ops.core.chunking import chunk_spans
 
     assert chunk_spans(8200, 1024, fold_tail=True)[-2:] == ((6144, 7168), (7168, 8200))  # 8 chunks, not 9
     assert len(chunk_spans(8200, 1024)) == 9 and chunk_spans(8200, 1024)[-1] == (8192, 8200)  # a cap as given
@@ -373,18 +381,19 @@ def test_chunk_spans_fold_a_short_tail_only_at_the_default():
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("options", [{"softcap": 4.0}, {"reduction": "none"}])
 def test_default_chunks_with_a_folded_tail_give_the_reference_result(backend, options, monkeypatch):
+    from lce_patch.ops.core import chunking
     from lce_patch.ops.linear_cross_entropy import chunked
 
     seen = []
-    real = chunked.resolve_chunks
-    monkeypatch.setattr(chunked, "default_chunk_rows", lambda *args, **kwargs: 16)
+    real = chunking.resolve_chunks
+    monkeypatch.setattr(chunking, "default_chunk_rows", lambda *args, **kwargs: 16)
     monkeypatch.setattr(chunked, "resolve_chunks", lambda *args: seen.append(real(*args)) or seen[-1])
     check_against_reference(options, backend=backend, chunk_size=None, size={"n": 33})
     assert seen and all(chunks == ((0, 16), (16, 33)) for chunks in seen)  # 1 row folded into the last chunk
 
 
 def test_default_chunk_rows_fill_the_gpu_for_thin_hidden_sizes():
-    from lce_patch.ops.linear_cross_entropy.chunked import default_chunk_rows
+    from lce_patch.ops.core.chunking import default_chunk_rows
 
     def rows(num_rows, hidden_size, vocab_size, num_sms=132):
         return default_chunk_rows(num_rows, vocab_size, torch.bfloat16, True, hidden_size, num_sms)
@@ -412,7 +421,7 @@ def test_default_chunk_rows_fill_the_gpu_for_thin_hidden_sizes():
     [(7022, 4096, 128256), (7022, 2304, 256000), (3511, 4096, 128256), (14043, 3584, 152064), (500, 64, 1000)],
 )
 def test_forward_only_chunks_use_the_bytes_of_the_missing_dw_and_no_more(num_rows, hidden_size, vocab_size):
-    from lce_patch.ops.linear_cross_entropy.chunked import default_chunk_rows
+    from lce_patch.ops.core.chunking import default_chunk_rows
 
     weight_bytes = vocab_size * hidden_size * 2
     train = default_chunk_rows(num_rows, vocab_size, torch.bfloat16, True, hidden_size, 132)
@@ -425,11 +434,11 @@ def test_forward_only_chunks_use_the_bytes_of_the_missing_dw_and_no_more(num_row
 
 
 def test_forward_only_default_chunk_counts_the_dw_only_of_a_trainable_weight(monkeypatch):
-    from lce_patch.ops.linear_cross_entropy import chunked
+    from lce_patch.ops.core import chunking
 
     seen = []
-    real = chunked.default_chunk_rows
-    monkeypatch.setattr(chunked, "default_chunk_rows", lambda *a, **k: seen.append(k["spare_bytes"]) or real(*a, **k))
+    real = chunking.default_chunk_rows
+    monkeypatch.setattr(chunking, "default_chunk_rows", lambda *a, **k: seen.append(k["spare_bytes"]) or real(*a, **k))
     hidden, weight, labels, _ = make_inputs()
     h = leaf(hidden, torch.float32)
     for trainable in (True, False):
@@ -444,7 +453,9 @@ def test_forward_only_default_chunk_counts_the_dw_only_of_a_trainable_weight(mon
 def test_half_precision(backend):
     # fp16 operands: logits carry ~2^-11 relative rounding, so loss and gradients agree to ~1e-3.
     check_against_reference({"softcap": 3.0}, backend=backend, dtype=torch.float16, tol=5e-3)
-    if backend == "torch":  # the interpreter cannot run bf16 dots; bf16 kernels are checked on the GPU
+    # bf16 operands round to 2^-8: the same check in bf16 at 8x the fp16 tolerance and more. The interpreter
+    # cannot run bf16 dots: the Triton kernels' bf16 runs only on the GPU (and in test_cuda.py).
+    if backend == "torch" or TRITON_BF16:
         check_against_reference({}, backend=backend, dtype=torch.bfloat16, tol=3e-2)
 
 
@@ -464,7 +475,8 @@ def test_bf16_loss_is_not_limited_by_the_rounding_of_the_logits(backend, softcap
         hidden, weight = hidden.bfloat16(), weight.bfloat16()
         ref = naive_linear_cross_entropy(hidden.double(), weight.double(), labels, softcap=softcap).item()
         bf16_logits = naive_linear_cross_entropy(hidden, weight, labels, softcap=softcap).item()
-        fused = fused_linear_cross_entropy(hidden, weight, labels, softcap=softcap, backend=backend).item()
+        fused = fused_linear_cross_entropy(*on(backend, hidden, weight, labels), softcap=softcap, backend=backend)
+        fused = fused.item()
         fused_errors.append(abs(fused - ref) / ref)
         bf16_logit_errors.append(abs(bf16_logits - ref) / ref)
     assert max(fused_errors) < 3e-5, fused_errors
@@ -480,6 +492,7 @@ def test_bf16_fp32_target_logit_of_the_rows_kept_by_skip_ignored(backend):
     labels = torch.randint(0, 3000, (96,), generator=gen)
     labels[::3] = -100
     hidden = (torch.randn(96, 64, generator=gen) + 6 * weight.float()[labels.clamp(min=0)]).bfloat16()
+    hidden, weight, labels = on(backend, hidden, weight, labels)
     full = fused_linear_cross_entropy(hidden, weight, labels, backend=backend, reduction="none")
     kept = fused_linear_cross_entropy(hidden, weight, labels, backend=backend, reduction="none", skip_ignored=True)
     torch.testing.assert_close(kept, full, rtol=1e-6, atol=1e-6)
@@ -488,9 +501,9 @@ def test_bf16_fp32_target_logit_of_the_rows_kept_by_skip_ignored(backend):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_all_ignored_gives_zero_and_zero_grads(backend):
     hidden, weight, labels, _ = make_inputs()
-    labels.fill_(-100)
+    labels = on(backend, labels.fill_(-100))
     for reduction, skip_ignored in (("mean", False), ("sum", False), ("none", False), ("mean", True), ("none", True)):
-        h, w = leaf(hidden, torch.float32), leaf(weight, torch.float32)
+        h, w = (leaf(t, torch.float32, device=device_of(backend)) for t in (hidden, weight))
         loss = fused_linear_cross_entropy(h, w, labels, backend=backend, reduction=reduction, skip_ignored=skip_ignored)
         loss.sum().backward()
         assert torch.all(loss == 0) and torch.isfinite(loss).all()
@@ -502,8 +515,8 @@ def test_one_valid_token(backend):
     hidden, weight, labels, _ = make_inputs()
     labels.fill_(-100)
     labels[11] = 7
-    h, w = leaf(hidden, torch.float32), leaf(weight, torch.float32)
-    loss = fused_linear_cross_entropy(h, w, labels, backend=backend)
+    h, w = (leaf(t, torch.float32, device=device_of(backend)) for t in (hidden, weight))
+    loss = fused_linear_cross_entropy(h, w, on(backend, labels), backend=backend)
     loss.backward()
     ref = naive_linear_cross_entropy(hidden, weight, labels)
     assert rel_err(loss, ref) < 1e-5
@@ -512,9 +525,10 @@ def test_one_valid_token(backend):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_empty_batch(backend):
-    h = torch.randn(0, 8, requires_grad=True)
-    w = torch.randn(13, 8, requires_grad=True)
-    labels = torch.zeros(0, dtype=torch.long)
+    device = device_of(backend)
+    h = torch.randn(0, 8, device=device, requires_grad=True)
+    w = torch.randn(13, 8, device=device, requires_grad=True)
+    labels = torch.zeros(0, dtype=torch.long, device=device)
     loss = fused_linear_cross_entropy(h, w, labels, backend=backend)
     loss.backward()
     assert loss.item() == 0.0 and h.grad.shape == (0, 8) and torch.all(w.grad == 0)
@@ -527,8 +541,8 @@ def test_non_contiguous_hidden(backend):
     hidden, weight, labels, _ = make_inputs(d=19)
     wide = torch.randn(hidden.shape[0], 40, dtype=torch.float32)
     wide[:, 3:22] = hidden.float()
-    h_view = wide.detach().requires_grad_()
-    loss = fused_linear_cross_entropy(h_view[:, 3:22], weight.float(), labels, backend=backend)
+    h_view = on(backend, wide).detach().requires_grad_()
+    loss = fused_linear_cross_entropy(h_view[:, 3:22], *on(backend, weight.float(), labels), backend=backend)
     loss.backward()
     ref_h = hidden.clone().requires_grad_()
     ref = naive_linear_cross_entropy(ref_h, weight, labels)
@@ -540,29 +554,32 @@ def test_non_contiguous_hidden(backend):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_frozen_weight_does_no_weight_gradient_work(backend, monkeypatch):
-    from lce_patch.ops.linear_cross_entropy import chunked
+    from lce_patch.ops.core.grads import GradAccumulator
 
     seen = []
-    original = chunked._GradAccumulator.__init__
+    original = GradAccumulator.__init__
 
     def spy(self, hidden, weight, bias, needs_hidden, needs_weight, needs_bias, *args):
         seen.append(needs_weight)
         original(self, hidden, weight, bias, needs_hidden, needs_weight, needs_bias, *args)
 
-    monkeypatch.setattr(chunked._GradAccumulator, "__init__", spy)
+    monkeypatch.setattr(GradAccumulator, "__init__", spy)
     hidden, weight, labels, _ = make_inputs()
-    h, w = leaf(hidden, torch.float32), leaf(weight, torch.float32, requires_grad=False)
-    fused_linear_cross_entropy(h, w, labels, backend=backend).backward()
+    device = device_of(backend)
+    h, w = leaf(hidden, torch.float32, device=device), leaf(weight, torch.float32, requires_grad=False, device=device)
+    fused_linear_cross_entropy(h, w, on(backend, labels), backend=backend).backward()
     assert w.grad is None and h.grad is not None and seen == [False]
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_no_grad_forward_matches(backend):
     hidden, weight, labels, _ = make_inputs()
+    device = device_of(backend)
     with torch.no_grad():
         loss = fused_linear_cross_entropy(
-            leaf(hidden, torch.float32), leaf(weight, torch.float32), labels, backend=backend
-        )
+            leaf(hidden, torch.float32, device=device), leaf(weight, torch.float32, device=device),
+            on(backend, labels), backend=backend,
+        )  # fmt: skip
     assert not loss.requires_grad
     assert rel_err(loss, naive_linear_cross_entropy(hidden, weight, labels)) < 1e-5
 
@@ -573,8 +590,8 @@ def test_backends_agree_with_each_other():
     hidden, weight, labels, b = make_inputs(bias=True)
     results = []
     for backend in BACKENDS:
-        h, w, bb = leaf(hidden, torch.float32), leaf(weight, torch.float32), leaf(b, torch.float32)
-        loss = fused_linear_cross_entropy(h, w, labels, bias=bb, softcap=3.0, z_loss=1e-3, backend=backend)
+        h, w, bb = (leaf(t, torch.float32, device=device_of(backend)) for t in (hidden, weight, b))
+        loss = fused_linear_cross_entropy(h, w, on(backend, labels), bias=bb, softcap=3.0, z_loss=1e-3, backend=backend)
         loss.backward()
         results.append((loss, h.grad, w.grad, bb.grad))
     for a, b_ in zip(*results):
@@ -615,16 +632,17 @@ def test_token_outputs_and_their_gradients(backend, options):
     up_lp, up_ent = torch.randn_like(log_probs), torch.randn_like(entropy)
     ref_grads = torch.autograd.grad((log_probs * up_lp + entropy * up_ent).sum(), ref_inputs)
 
-    h, w, bb = leaf(hidden, torch.float32), leaf(weight, torch.float32), leaf(b, torch.float32)
+    h, w, bb = (leaf(t, torch.float32, device=device_of(backend)) for t in (hidden, weight, b))
     out = fused_linear_log_probs(
-        h, w, labels, bias=bb, return_entropy=True, return_is_top1=True, backend=backend, chunk_size=4, **options
-    )
+        h, w, on(backend, labels), bias=bb, return_entropy=True, return_is_top1=True, backend=backend, chunk_size=4,
+        **options,
+    )  # fmt: skip
     assert out.log_probs.shape == labels.shape and out.entropy.shape == labels.shape
     assert rel_err(out.log_probs, log_probs) < 1e-5
     assert rel_err(out.entropy, entropy) < 1e-5
-    assert torch.equal(out.is_top1, is_top1)
-    assert torch.equal(out.label_mask, labels != -100)
-    (out.log_probs * up_lp.float() + out.entropy * up_ent.float()).sum().backward()
+    assert torch.equal(out.is_top1.cpu(), is_top1)
+    assert torch.equal(out.label_mask.cpu(), labels != -100)
+    (out.log_probs * on(backend, up_lp.float()) + out.entropy * on(backend, up_ent.float())).sum().backward()
     for got, want in zip((h, w, bb), ref_grads):
         assert rel_err(got.grad, want) < 1e-5
 
@@ -655,10 +673,12 @@ def test_mean_logits_and_log_sum_sq_probs(backend, options):
     up_lp, up_ent = torch.randn_like(log_probs), torch.randn_like(entropy)
     ref_grads = torch.autograd.grad((log_probs * up_lp + entropy * up_ent).sum(), ref_inputs)
 
-    h, w, bb = leaf(hidden, torch.float32), leaf(weight, torch.float32), leaf(b, torch.float32, False)
+    device = device_of(backend)
+    h, w = leaf(hidden, torch.float32, device=device), leaf(weight, torch.float32, device=device)
+    bb = leaf(b, torch.float32, False, device=device)
     out = fused_linear_log_probs(
-        h, w, labels, bias=bb, return_entropy=True, return_mean_logits=True, return_log_sum_sq_probs=True,
-        backend=backend, chunk_size=4, skip_ignored=skip_ignored, **options,
+        h, w, on(backend, labels), bias=bb, return_entropy=True, return_mean_logits=True,
+        return_log_sum_sq_probs=True, backend=backend, chunk_size=4, skip_ignored=skip_ignored, **options,
     )  # fmt: skip
     assert out.is_top1 is None
     # fp32 logits carry an absolute error of a few ulps of the largest logit; both statistics are sums of
@@ -667,11 +687,13 @@ def test_mean_logits_and_log_sum_sq_probs(backend, options):
     atol = 1e-6 * max(10.0, largest_logit)
     for got, want in ((out.mean_logits, mean_logits), (out.log_sum_sq_probs, log_sum_sq)):
         assert got.shape == labels.shape and got.dtype == torch.float32 and not got.requires_grad
+        got = got.cpu()
         assert torch.isfinite(got).all()
         assert (got[labels == -100] == 0).all()
         assert (got - want).abs().max() < atol, (got, want)
-    assert (out.log_probs - log_probs).abs().max() < atol and (out.entropy - entropy).abs().max() < atol
-    (out.log_probs * up_lp.float() + out.entropy * up_ent.float()).sum().backward()
+    log_probs_error = (out.log_probs.detach().cpu() - log_probs).abs().max()
+    assert log_probs_error < atol and (out.entropy.detach().cpu() - entropy).abs().max() < atol
+    (out.log_probs * on(backend, up_lp.float()) + out.entropy * on(backend, up_ent.float())).sum().backward()
     for got, want in zip((h, w), ref_grads):
         assert rel_err(got.grad, want) < 1e-5 * spread
 
@@ -705,8 +727,8 @@ def test_precomputed_token_gradients(backend, skip_ignored, upstream, monkeypatc
     from lce_patch.ops.linear_cross_entropy import chunked
 
     projections = []
-    real_matmul = chunked._matmul_into
-    monkeypatch.setattr(chunked, "_matmul_into", lambda *a: projections.append(1) or real_matmul(*a))
+    real_matmul = chunked.logits_into
+    monkeypatch.setattr(chunked, "logits_into", lambda *a: projections.append(1) or real_matmul(*a))
     hidden, weight, labels, b = make_inputs(bias=True, batch=2, n=11, seed=5)
     labels[:, :3] = -100
     log_probs, _, _ = naive_token_outputs(hidden.requires_grad_(), weight.requires_grad_(), labels, bias=b)
@@ -714,13 +736,14 @@ def test_precomputed_token_gradients(backend, skip_ignored, upstream, monkeypatc
     ref_loss = -(log_probs * weights).sum() / (labels != -100).sum()
     ref_grads = torch.autograd.grad(ref_loss, [hidden, weight])
 
-    h, w = leaf(hidden, torch.float32), leaf(weight, torch.float32)
+    device = device_of(backend)
+    h, w = leaf(hidden, torch.float32, device=device), leaf(weight, torch.float32, device=device)
     out = fused_linear_log_probs(
-        h, w, labels, bias=leaf(b, torch.float32, requires_grad=False), return_entropy=True, backend=backend,
-        chunk_size=4, skip_ignored=skip_ignored, precompute_grad=True,
+        h, w, on(backend, labels), bias=leaf(b, torch.float32, requires_grad=False, device=device),
+        return_entropy=True, backend=backend, chunk_size=4, skip_ignored=skip_ignored, precompute_grad=True,
     )  # fmt: skip
     forward_projections = len(projections)
-    loss = -(out.log_probs * weights.float()).sum() / out.label_mask.sum()
+    loss = -(out.log_probs * on(backend, weights.float())).sum() / out.label_mask.sum()
     for attempt in range(2):
         grads = torch.autograd.grad(loss, [h, w], retain_graph=True)
         for got, want in zip(grads, ref_grads):
@@ -734,9 +757,11 @@ def test_is_top1_when_target_is_the_argmax(backend):
     hidden, weight, labels, _ = make_inputs(ignore_every=0)
     logits = hidden @ weight.T
     labels[:10] = logits[:10].argmax(-1)
-    out = fused_linear_log_probs(hidden.float(), weight.float(), labels, return_is_top1=True, backend=backend)
+    out = fused_linear_log_probs(
+        *on(backend, hidden.float(), weight.float(), labels), return_is_top1=True, backend=backend
+    )
     assert out.is_top1[:10].all()
-    assert torch.equal(out.is_top1, logits.argmax(-1) == labels)
+    assert torch.equal(out.is_top1.cpu(), logits.argmax(-1) == labels)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -750,8 +775,8 @@ def test_is_top1_breaks_ties_at_the_first_index_like_argmax(backend, first, seco
     weight = torch.randn(4104, 8, generator=generator) * 0.1
     weight[first] = weight[second] = 3.0
     labels = torch.tensor([first, second] * 3)
-    out = fused_linear_log_probs(hidden, weight, labels, return_is_top1=True, backend=backend)
-    assert torch.equal(out.is_top1, torch.tensor([True, False] * 3))
+    out = fused_linear_log_probs(*on(backend, hidden, weight, labels), return_is_top1=True, backend=backend)
+    assert torch.equal(out.is_top1.cpu(), torch.tensor([True, False] * 3))
 
 
 # --------------------------------------------------------------------------- bad input
@@ -816,9 +841,9 @@ def test_bad_input_gives_a_clear_error(mutate, message):
 
 
 def test_triton_backend_without_a_usable_device_is_refused(monkeypatch):
-    from lce_patch.ops.linear_cross_entropy import functional
+    from lce_patch.ops.core import backend
 
-    monkeypatch.setattr(functional, "triton_usable", lambda device: False)
+    monkeypatch.setattr(backend, "triton_usable", lambda device: False)
     hidden, weight, labels, _ = make_inputs()
     with pytest.raises(ValueError, match="backend='triton' needs"):
         fused_linear_cross_entropy(hidden.float(), weight.float(), labels, backend="triton")
@@ -860,8 +885,10 @@ def test_num_items_in_batch_zero_is_a_zero_loss_when_every_label_is_ignored(back
     all-ignored batch, the loss is 0 with zero gradients; a number or a tensor behave the same."""
     hidden, weight, labels, _ = make_inputs()
     labels[:] = -100
-    h, w = leaf(hidden, torch.float32), leaf(weight, torch.float32)
-    loss = fused_linear_cross_entropy(h, w, labels, num_items_in_batch=num_items, backend=backend)
+    h, w = (leaf(t, torch.float32, device=device_of(backend)) for t in (hidden, weight))
+    if isinstance(num_items, torch.Tensor):
+        num_items = on(backend, num_items)
+    loss = fused_linear_cross_entropy(h, w, on(backend, labels), num_items_in_batch=num_items, backend=backend)
     loss.backward()
     assert loss.item() == 0.0
     assert not h.grad.any() and not w.grad.any()
@@ -871,7 +898,8 @@ def test_num_items_in_batch_zero_is_a_zero_loss_when_every_label_is_ignored(back
 @pytest.mark.parametrize("per_token", [False, True])
 def test_second_order_gradients_are_refused_clearly(backend, per_token):
     hidden, weight, labels, _ = make_inputs()
-    h, w = leaf(hidden, torch.float32), leaf(weight, torch.float32)
+    h, w = (leaf(t, torch.float32, device=device_of(backend)) for t in (hidden, weight))
+    labels = on(backend, labels)
     if per_token:
         loss = fused_linear_log_probs(h, w, labels, backend=backend, return_entropy=True).entropy.sum()
     else:

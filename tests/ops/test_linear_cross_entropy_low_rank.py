@@ -14,12 +14,10 @@ import torch
 
 from lce_patch import fused_linear_cross_entropy, fused_linear_log_probs
 from lce_patch.ops.linear_cross_entropy import naive_linear_cross_entropy, naive_token_outputs
-from lce_patch.ops.linear_cross_entropy.rows import triton_usable
 
+from .devices import BACKENDS, CPU, TRITON_BF16, device_of, on
 from .test_linear_cross_entropy import rel_err
 
-DEVICE = torch.device("cpu")
-BACKENDS = ["torch"] + (["triton"] if triton_usable(DEVICE) else [])
 SCALE = 2.0  # LoRA's alpha / r
 
 
@@ -36,8 +34,11 @@ def make_lora_inputs(n=37, d=19, v=101, rank=4, *, batch=None, seed=None, bias=F
     return hidden, weight, lora_a, lora_b, labels, b
 
 
-def leaves(tensors, dtype, trainable):
-    return [None if t is None else t.to(dtype).detach().requires_grad_(wants) for t, wants in zip(tensors, trainable)]
+def leaves(tensors, dtype, trainable, device=CPU):
+    return [
+        None if t is None else t.to(device, dtype).detach().requires_grad_(wants)
+        for t, wants in zip(tensors, trainable)
+    ]
 
 
 def reference_loss(hidden, weight, lora_a, lora_b, labels, bias, options):
@@ -60,8 +61,9 @@ OPTION_SETS = [
 ]
 
 
-def check_low_rank(options, *, backend, weight_trainable, device=DEVICE, dtype=torch.float32, tol=1e-5, size=None):
+def check_low_rank(options, *, backend, weight_trainable, device=None, dtype=torch.float32, tol=1e-5, size=None):
     """The op with a LoRA-built low-rank term against the float64 concatenation, every gradient."""
+    device = device_of(backend) if device is None else device
     hidden, weight, lora_a, lora_b, labels, bias = make_lora_inputs(bias=True, **(size or {}))
     trainable = (True, weight_trainable, True, True, True)
     ref_leaves = leaves((hidden, weight, lora_a, lora_b, bias), torch.float64, trainable)
@@ -119,11 +121,11 @@ def test_token_outputs_with_entropy(backend, precompute_grad):
     up_ent = torch.randn_like(entropy) if not precompute_grad else torch.zeros_like(entropy)
     ref_grads = torch.autograd.grad((log_probs * up_lp + entropy * up_ent).sum(), [ref_h, ref_w, ref_a, ref_b])
 
-    h, w, a, b_up = leaves((hidden, weight, lora_a, lora_b), torch.float32, (True,) * 4)
+    h, w, a, b_up = leaves((hidden, weight, lora_a, lora_b), torch.float32, (True,) * 4, device_of(backend))
     out = fused_linear_log_probs(
         h,
         w,
-        labels,
+        on(backend, labels),
         softcap=4.0,
         return_entropy=True,
         return_is_top1=True,
@@ -134,11 +136,12 @@ def test_token_outputs_with_entropy(backend, precompute_grad):
         low_rank_weight=b_up,
     )
     assert rel_err(out.log_probs, log_probs) < 1e-5 and rel_err(out.entropy, entropy) < 1e-5
-    assert torch.equal(out.is_top1, is_top1)
+    assert torch.equal(out.is_top1.cpu(), is_top1)
+    up_lp, up_ent = on(backend, up_lp.float(), up_ent.float())
     if precompute_grad:
-        (out.log_probs * up_lp.float()).sum().backward()
+        (out.log_probs * up_lp).sum().backward()
     else:
-        (out.log_probs * up_lp.float() + out.entropy * up_ent.float()).sum().backward()
+        (out.log_probs * up_lp + out.entropy * up_ent).sum().backward()
     for name, tensor, want in zip(("hidden", "weight", "A", "B"), (h, w, a, b_up), ref_grads):
         assert rel_err(tensor.grad, want) < 1e-5, (name, rel_err(tensor.grad, want))
 
@@ -164,18 +167,21 @@ def test_half_model_with_fp32_adapter(backend, dtype):
     """PEFT keeps the adapter in fp32 beside a half-precision model: the term is cast to the model's dtype
     (as PEFT's output is), and A and B get fp32 gradients. Tolerances: bf16 rounds to 2**-9 relative,
     fp16 to 2**-12, on logits and on the gradient products."""
-    if backend == "triton" and dtype == torch.bfloat16:
+    if backend == "triton" and dtype == torch.bfloat16 and not TRITON_BF16:
         pytest.skip("bf16 tl.dot is broken in the Triton CPU interpreter")
     hidden, weight, lora_a, lora_b, labels, _ = make_lora_inputs(n=64, d=32, v=96, rank=8, seed=2)
     ref_h, ref_w, ref_a, ref_b = leaves((hidden, weight, lora_a, lora_b), torch.float64, (True, False, True, True))
     ref = reference_loss(ref_h, ref_w, ref_a, ref_b, labels, None, {})
     ref_grads = torch.autograd.grad(ref, [ref_h, ref_a, ref_b])
 
-    h = hidden.to(dtype).requires_grad_()
-    w = weight.to(dtype)
-    a, b_up = leaves((lora_a, lora_b), torch.float32, (True, True))
+    device = device_of(backend)
+    h = hidden.to(device, dtype).requires_grad_()
+    w = weight.to(device, dtype)
+    a, b_up = leaves((lora_a, lora_b), torch.float32, (True, True), device)
     low = SCALE * h.float() @ a.t()  # PEFT casts the input to the adapter's dtype
-    out = fused_linear_cross_entropy(h, w, labels, low_rank_hidden=low, low_rank_weight=b_up, backend=backend)
+    out = fused_linear_cross_entropy(
+        h, w, on(backend, labels), low_rank_hidden=low, low_rank_weight=b_up, backend=backend
+    )
     out.backward()
     tol = 2e-2 if dtype == torch.bfloat16 else 4e-3
     assert rel_err(out, ref) < tol / 4
@@ -192,12 +198,13 @@ def test_strided_inputs(backend):
     rank = lora_b.shape[1]
     wide = torch.randn(3, 7, 2 * rank, dtype=torch.float64)
     for low in (wide[..., ::2], torch.randn(1, 7, rank, dtype=torch.float64).expand(3, 7, rank)):
-        up_t = lora_b.t().contiguous().t()  # [V, r] with strides (1, V)
+        up_t = on(backend, lora_b).t().contiguous().t()  # [V, r] with strides (1, V)
         ref = naive_linear_cross_entropy(torch.cat([hidden, low], -1), torch.cat([weight, lora_b], 1), labels)
         up = up_t.float().requires_grad_()
         out = fused_linear_cross_entropy(
-            hidden.float(), weight.float(), labels, low_rank_hidden=low.float(), low_rank_weight=up, backend=backend
-        )
+            *on(backend, hidden.float(), weight.float(), labels), low_rank_hidden=on(backend, low.float()),
+            low_rank_weight=up, backend=backend,
+        )  # fmt: skip
         out.backward()
         ref_up = lora_b.clone().requires_grad_()
         ref2 = naive_linear_cross_entropy(torch.cat([hidden, low], -1), torch.cat([weight, ref_up], 1), labels)

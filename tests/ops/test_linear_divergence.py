@@ -1,7 +1,8 @@
 """fused_linear_divergence against the float64 full-logits reference and TRL's own loss.
 
-The torch backend runs in float64 here; the Triton kernels run under TRITON_INTERPRET=1 on the CPU (set in
-conftest.py) in fp32, fp16 and bf16 (the kernel does no tl.dot, so bf16 is right in the interpreter too).
+The torch backend runs in float64 here on the CPU; the Triton kernels run on the GPU under LCE_TEST_GPU=1,
+else under TRITON_INTERPRET=1 on the CPU (set in conftest.py), in fp32, fp16 and bf16 (the kernel does no
+tl.dot, so bf16 is right in the interpreter too); devices.py places each backend's inputs.
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ import torch
 
 from lce_patch import fused_linear_divergence
 from lce_patch.ops.linear_divergence import naive_linear_divergence
+
+from .devices import BACKENDS, CPU, TRITON_DEVICE, device_of, on
 
 BETAS = [0.0, 0.3, 0.5, 1.0]
 N, D, D_TEACHER, V = 13, 16, 24, 37
@@ -34,9 +37,10 @@ def make_problem(seed: int, *, vocab_teacher: int = V, bias: bool = False, leadi
     return problem
 
 
-def leaves(problem: dict, dtype: torch.dtype) -> dict:
+def leaves(problem: dict, dtype: torch.dtype, device: torch.device = CPU) -> dict:
     out = {}
     for name, value in problem.items():
+        value = value.to(device)
         if value.is_floating_point():
             value = value.to(dtype)
             if name in ("hidden", "weight", "bias"):
@@ -49,7 +53,7 @@ def run(fn, inputs: dict, upstream: torch.Tensor | None = None, **options):
     loss, entropy = (
         fn(**inputs, **options, return_entropy=True) if fn is fused_linear_divergence else fn(**inputs, **options)
     )
-    (loss * upstream).sum().backward() if upstream is not None else loss.backward()
+    (loss * upstream.to(loss.device)).sum().backward() if upstream is not None else loss.backward()
     grads = {name: inputs[name].grad for name in ("hidden", "weight", "bias") if name in inputs}
     return loss.detach(), entropy.detach(), grads
 
@@ -57,11 +61,18 @@ def run(fn, inputs: dict, upstream: torch.Tensor | None = None, **options):
 def assert_matches(fused, reference, rtol: float, atol: float) -> None:
     loss, entropy, grads = fused
     ref_loss, ref_entropy, ref_grads = reference
-    torch.testing.assert_close(loss.double(), ref_loss.double(), rtol=rtol, atol=atol)
-    torch.testing.assert_close(entropy.double(), ref_entropy.double(), rtol=rtol, atol=atol)
+    torch.testing.assert_close(loss.cpu().double(), ref_loss.double(), rtol=rtol, atol=atol)
+    torch.testing.assert_close(entropy.cpu().double(), ref_entropy.double(), rtol=rtol, atol=atol)
     for name, grad in ref_grads.items():
         scale = max(float(grad.abs().max()), 1e-12)
-        torch.testing.assert_close(grads[name].double() / scale, grad.double() / scale, rtol=rtol, atol=atol, msg=name)
+        torch.testing.assert_close(
+            grads[name].cpu().double() / scale, grad.double() / scale, rtol=rtol, atol=atol, msg=name
+        )
+
+
+def placed(options: dict, device: torch.device) -> dict:
+    """The options with their tensors (num_items_in_batch) on ``device``."""
+    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in options.items()}
 
 
 OPTIONS = {
@@ -84,6 +95,7 @@ def test_float64_equals_the_reference(beta, case):
     assert_matches(fused, reference, rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.skipif("triton" not in BACKENDS, reason="Triton unavailable")
 @pytest.mark.parametrize("beta", BETAS)
 @pytest.mark.parametrize("case", list(OPTIONS))
 def test_triton_kernels_equal_the_reference(beta, case):
@@ -91,11 +103,17 @@ def test_triton_kernels_equal_the_reference(beta, case):
     problem = make_problem(hash((beta, case, "triton")) % 1000, bias=case == "softcaps_and_scales")
     options = dict(OPTIONS[case], beta=beta)
     reference = run(naive_linear_divergence, leaves(problem, torch.float64), **options)
-    fused = run(fused_linear_divergence, leaves(problem, torch.float32), backend="triton", chunk_size=4, **options)
+    fused = run(
+        fused_linear_divergence,
+        leaves(problem, torch.float32, TRITON_DEVICE),
+        backend="triton",
+        chunk_size=4,
+        **placed(options, TRITON_DEVICE),
+    )
     assert_matches(fused, reference, rtol=2e-5, atol=2e-5)
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("beta", BETAS)
 def test_per_token_loss_with_uneven_upstream_gradients(beta, backend):
     # reduction="none" recomputes each chunk in the backward with every token's own upstream gradient
@@ -105,7 +123,7 @@ def test_per_token_loss_with_uneven_upstream_gradients(beta, backend):
     dtype, rtol, atol = (torch.float64, 1e-10, 1e-12) if backend == "torch" else (torch.float32, 2e-5, 2e-5)
     fused = run(
         fused_linear_divergence,
-        leaves(problem, dtype),
+        leaves(problem, dtype, device_of(backend)),
         upstream.to(dtype),
         beta=beta,
         reduction="none",
@@ -113,7 +131,7 @@ def test_per_token_loss_with_uneven_upstream_gradients(beta, backend):
         backend=backend,
     )
     assert_matches(fused, reference, rtol=rtol, atol=atol)
-    assert torch.all(fused[0][~problem["mask"]] == 0)
+    assert torch.all(fused[0].cpu()[~problem["mask"]] == 0)
 
 
 # fp32: logits and softmaxes in fp32 (rounding ~1e-7 relative, amplified by V-term sums);
@@ -121,14 +139,21 @@ def test_per_token_loss_with_uneven_upstream_gradients(beta, backend):
 TOLERANCES = {torch.float32: 2e-5, torch.float16: 2e-2, torch.bfloat16: 8e-2}
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", list(TOLERANCES), ids=str)
 @pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
 def test_low_precision_inputs_against_float64_of_the_same_inputs(dtype, beta, backend):
     problem = make_problem(11, bias=True)
     rounded = {k: (v.to(dtype).double() if v.is_floating_point() else v) for k, v in problem.items()}
     reference = run(naive_linear_divergence, leaves(rounded, torch.float64), beta=beta, softcap=4.0)
-    fused = run(fused_linear_divergence, leaves(problem, dtype), beta=beta, softcap=4.0, chunk_size=6, backend=backend)
+    fused = run(
+        fused_linear_divergence,
+        leaves(problem, dtype, device_of(backend)),
+        beta=beta,
+        softcap=4.0,
+        chunk_size=6,
+        backend=backend,
+    )
     assert fused[0].dtype == torch.float32 and fused[1].dtype == torch.float32
     assert all(grad.dtype == dtype for grad in fused[2].values())
     tol = TOLERANCES[dtype]
@@ -164,11 +189,11 @@ def test_no_gradient_reaches_the_teacher():
     assert problem["hidden"].grad is not None
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 def test_no_selected_token_gives_zero_and_zero_gradients(reduction, backend):
-    problem = leaves(make_problem(4), torch.float32)
-    problem["mask"] = torch.zeros(N, dtype=torch.int64)
+    problem = leaves(make_problem(4), torch.float32, device_of(backend))
+    problem["mask"] = torch.zeros(N, dtype=torch.int64, device=device_of(backend))
     loss = fused_linear_divergence(**problem, reduction=reduction, backend=backend)
     loss.sum().backward()
     assert torch.all(loss == 0)
@@ -178,11 +203,13 @@ def test_no_selected_token_gives_zero_and_zero_gradients(reduction, backend):
         assert zero_items.item() == 0
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_views_and_batched_layouts(backend):
+    # on the backend's device first: the views below are taken there
     problem = {
         k: v.float() if v.is_floating_point() else v for k, v in make_problem(8, leading=(3, 5), bias=True).items()
     }
+    problem = dict(zip(problem, on(backend, *problem.values())))
     tol = dict(rtol=1e-6, atol=1e-7)
 
     def loss(inputs):
@@ -238,7 +265,7 @@ def test_bad_input_is_refused_with_a_clear_error(change, message):
         fused_linear_divergence(**{**problem, **change})
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize(
     "options",
     [dict(), dict(reduction="none", softcap=3.0), dict(reduction="sum", num_items_in_batch=torch.tensor(5), beta=1.0)],
@@ -248,7 +275,8 @@ def test_torch_compile_is_one_graph_with_eager_numbers(backend, options):
     # under torch.compile the op is the custom operator lce_patch::linear_divergence; fullgraph fails on any break
     torch._dynamo.reset()
     problem = {k: v.float() if v.is_floating_point() else v for k, v in make_problem(12, bias=True).items()}
-    options = dict(dict(beta=0.3), **options)
+    problem = dict(zip(problem, on(backend, *problem.values())))
+    options = dict(dict(beta=0.3), **placed(options, device_of(backend)))
 
     def step(hidden, weight, bias):
         inputs = dict(problem, hidden=hidden, weight=weight, bias=bias)
@@ -258,7 +286,7 @@ def test_torch_compile_is_one_graph_with_eager_numbers(backend, options):
     for name, fn in (("eager", step), ("compiled", torch.compile(step, fullgraph=True))):
         leaves = [problem[k].clone().requires_grad_(True) for k in ("hidden", "weight", "bias")]
         loss, entropy = fn(*leaves)
-        upstream = torch.linspace(0.5, 1.5, loss.numel()).reshape(loss.shape)
+        upstream = torch.linspace(0.5, 1.5, loss.numel(), device=loss.device).reshape(loss.shape)
         (loss * upstream).sum().backward()
         results[name] = (loss.detach(), entropy, *(leaf.grad for leaf in leaves))
     for eager, compiled in zip(results["eager"], results["compiled"], strict=True):

@@ -1,5 +1,6 @@
 """Property-based checks (hypothesis): random shapes, dtypes, options and label patterns on both
-backends against the float64 reference, plus non-finite inputs."""
+backends against the float64 reference, plus non-finite inputs (Triton on the GPU under LCE_TEST_GPU=1, else
+under the CPU interpreter; devices.py)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ from hypothesis import strategies as st
 from lce_patch import fused_linear_cross_entropy
 from lce_patch.ops.linear_cross_entropy import naive_linear_cross_entropy
 
-from .test_linear_cross_entropy import BACKENDS, rel_err
+from .devices import BACKENDS, device_of, on
+from .test_linear_cross_entropy import rel_err
 
 # Tolerances per dtype: fp32 accumulates exactly enough for 1e-5; fp16 operands round to 2^-11.
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 8e-3}
@@ -59,15 +61,16 @@ def test_random_problems_match_reference(backend, dtype, problem):
     upstream = torch.randn(ref.shape, generator=gen, dtype=torch.float64)
     ref.backward(upstream)
 
-    h = hidden.to(dtype).requires_grad_()
-    w = weight.to(dtype).requires_grad_()
-    out = fused_linear_cross_entropy(h, w, labels, backend=backend, chunk_size=chunk_size, **options)
-    out.backward(upstream.float())
+    h = hidden.to(device_of(backend), dtype).requires_grad_()
+    w = weight.to(device_of(backend), dtype).requires_grad_()
+    out = fused_linear_cross_entropy(h, w, on(backend, labels), backend=backend, chunk_size=chunk_size, **options)
+    out.backward(on(backend, upstream.float()))
+    out = out.detach().cpu()
     tol = TOLERANCE[dtype]
     assert out.shape == ref.shape
     assert torch.isfinite(out).all()
     assert rel_err(out, ref) < tol or (out - ref).abs().max() < tol
-    for got, want in ((h.grad, ref_h.grad), (w.grad, ref_w.grad)):
+    for got, want in ((h.grad.cpu(), ref_h.grad), (w.grad.cpu(), ref_w.grad)):
         assert rel_err(got, want) < tol or (got.double() - want).abs().max() < tol
 
 
@@ -88,6 +91,7 @@ def test_non_finite_input_gives_nan_like_the_unfused_path(backend, where, value,
     else:
         weight[bad_row, 3] = value
     ref = naive_linear_cross_entropy(hidden.double(), weight.double(), labels)
+    hidden, weight, labels = on(backend, hidden, weight, labels)
     loss = fused_linear_cross_entropy(
         hidden.requires_grad_(), weight.requires_grad_(), labels, backend=backend, chunk_size=4
     )
@@ -105,5 +109,7 @@ def test_nan_with_softcap_gives_nan(backend, softcap, bad_row):
     weight = torch.randn(2100, 8, generator=generator)
     labels = torch.randint(0, 2100, (9,), generator=generator)
     weight[bad_row, 3] = math.nan
-    loss = fused_linear_cross_entropy(hidden, weight, labels, softcap=softcap, backend=backend, chunk_size=4)
+    loss = fused_linear_cross_entropy(
+        *on(backend, hidden, weight, labels), softcap=softcap, backend=backend, chunk_size=4
+    )
     assert torch.isnan(loss)

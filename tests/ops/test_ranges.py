@@ -17,11 +17,10 @@ import torch
 from lce_patch import fused_linear_log_probs
 from lce_patch.ops.linear_cross_entropy import naive_logits, naive_token_outputs
 
-from .test_linear_cross_entropy import BACKENDS
+from .devices import BACKENDS, TRITON_DEVICE, device_of
 
-# The Triton backend runs on the GPU when there is one (LCE_TEST_GPU=1), else in the CPU interpreter.
-TRITON_DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-TRITON_RUNS = TRITON_DEVICE.type == "cuda" or "triton" in BACKENDS
+# The Triton backend runs on the GPU under LCE_TEST_GPU=1, else in the CPU interpreter (devices.py).
+TRITON_RUNS = "triton" in BACKENDS
 
 
 def _confident_problem(vocab: int, rows: int = 24, dim: int = 16, seed: int = 0):
@@ -66,7 +65,7 @@ PARAMS += [
 )
 def test_entropy_log_probs_and_log_sum_sq_in_range(backend, dtype, vocab, temperature, softcap):
     hidden, weight, labels = _confident_problem(vocab)
-    device = TRITON_DEVICE if backend == "triton" else torch.device("cpu")
+    device = device_of(backend)
     out = fused_linear_log_probs(
         hidden.to(device, dtype),
         weight.to(device, dtype),

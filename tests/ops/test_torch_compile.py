@@ -3,7 +3,8 @@
 Under compile the op is the custom operator ``lce_patch::linear_cross_entropy`` (custom_op.py), so
 dynamo captures it as one node; these tests compile whole functions with ``fullgraph=True`` (any
 graph break fails them) and compare loss and gradients with the same call in eager mode and with
-the float64 reference, on both backends (Triton under the CPU interpreter).
+the float64 reference, on both backends (Triton on the GPU under LCE_TEST_GPU=1, else under the CPU
+interpreter; devices.py).
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ import torch
 from lce_patch import fused_linear_cross_entropy, fused_linear_log_probs
 from lce_patch.ops.linear_cross_entropy import naive_linear_cross_entropy
 
-from .test_linear_cross_entropy import BACKENDS, make_inputs, rel_err
+from .devices import BACKENDS, CPU, device_of, on
+from .test_linear_cross_entropy import make_inputs, rel_err
 
 OPTION_SETS = [
     {},
@@ -27,8 +29,8 @@ OPTION_SETS = [
 ]
 
 
-def _leaves(*tensors, dtype=torch.float32):
-    return [None if t is None else t.to(dtype).detach().requires_grad_() for t in tensors]
+def _leaves(*tensors, dtype=torch.float32, device=CPU):
+    return [None if t is None else t.to(device, dtype).detach().requires_grad_() for t in tensors]
 
 
 @pytest.fixture(autouse=True)
@@ -48,17 +50,22 @@ def test_compiled_loss_equals_eager_and_reference(backend, options):
         options["num_items_in_batch"] = torch.tensor(31)
     reduction = options.get("reduction", "mean")
     upstream = torch.randn(labels.shape) if reduction == "none" else torch.tensor(0.7)
+    device = device_of(backend)
+    op_options = dict(options)
+    if isinstance(options.get("num_items_in_batch"), torch.Tensor):
+        op_options["num_items_in_batch"] = options["num_items_in_batch"].to(device)
+    op_labels = labels.to(device)
 
     def step(h, w, b):
-        loss = fused_linear_cross_entropy(h, w, labels, bias=b, backend=backend, chunk_size=8, **options)
+        loss = fused_linear_cross_entropy(h, w, op_labels, bias=b, backend=backend, chunk_size=8, **op_options)
         return loss
 
     compiled = torch.compile(step, fullgraph=True)
     results = {}
     for name, fn in (("eager", step), ("compiled", compiled)):
-        leaves = _leaves(hidden, weight, bias)
+        leaves = _leaves(hidden, weight, bias, device=device)
         loss = fn(*leaves)
-        loss.backward(upstream)
+        loss.backward(upstream.to(device))
         results[name] = (loss.detach(), [None if t is None else t.grad for t in leaves])
     ref_options = {k: v for k, v in options.items() if k not in ("skip_ignored", "num_valid_tokens")}
     ref_leaves = [None if t is None else t.detach().requires_grad_() for t in (hidden, weight, bias)]
@@ -81,6 +88,7 @@ def test_compiled_log_probs_and_entropy(backend, precompute_grad):
     hidden, weight, labels, _ = make_inputs(batch=2, n=11)
     labels[:, :3] = -100
     weights = torch.rand(labels.shape)
+    labels, weights = on(backend, labels, weights)
 
     def step(h, w, uniform: bool):
         out = fused_linear_log_probs(
@@ -106,7 +114,7 @@ def test_compiled_log_probs_and_entropy(backend, precompute_grad):
         compiled = torch.compile(step, fullgraph=True)
         runs = []
         for fn in (step, compiled):
-            h, w = _leaves(hidden, weight)
+            h, w = _leaves(hidden, weight, device=device_of(backend))
             loss, statistics = fn(h, w, uniform)
             loss.backward()
             assert (statistics[2] is not None) == uniform

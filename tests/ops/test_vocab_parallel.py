@@ -1,5 +1,8 @@
 """The vocabulary-parallel op (vocab_parallel.py) on 2 and 3 CPU processes (gloo) against one process.
 
+The Triton backend's ranks share the GPU under LCE_TEST_GPU=1 (gloo's all-reduce and all-gather take CUDA
+tensors), else run the CPU interpreter; the torch backend's run on the CPU (devices.py).
+
 Every rank builds the same inputs from one seed, holds rows [start, stop) of the weight, and calls the op
 with ``vocab_shard`` (or a DTensor weight); its loss, its hidden gradient and its weight shard's gradient
 must equal the float64 unfused reference on the whole vocabulary (fp32: 1e-5 relative, as the
@@ -13,11 +16,9 @@ import torch
 
 from lce_patch import fused_linear_cross_entropy, fused_linear_log_probs
 from lce_patch.ops.linear_cross_entropy import VocabShard, naive_linear_cross_entropy
-from lce_patch.ops.linear_cross_entropy.rows import triton_usable
 from tests.multiprocess import run_ranks
+from tests.ops.devices import BACKENDS, on
 from tests.ops.test_linear_cross_entropy import make_inputs, rel_err
-
-BACKENDS = ["torch"] + (["triton"] if triton_usable(torch.device("cpu")) else [])
 
 # (options, input layout): each one a case run on every rank.
 CASES = [
@@ -48,18 +49,20 @@ def _run_case(options, layout, backend, dtype, rank, world_size, seed):
     upstream = torch.randn(labels.shape, generator=torch.Generator().manual_seed(seed + 1), dtype=torch.float64)
 
     def backward(loss):
-        (loss * upstream.to(loss.dtype)).sum().backward() if reduction == "none" else loss.backward()
+        (loss * upstream.to(loss.device, loss.dtype)).sum().backward() if reduction == "none" else loss.backward()
 
     ref_options = {k: v for k, v in options.items() if k != "skip_ignored"}
     ref_inputs = [t.clone().requires_grad_() if t is not None else None for t in (hidden, weight, bias)]
     ref = naive_linear_cross_entropy(ref_inputs[0], ref_inputs[1], labels, bias=ref_inputs[2], **ref_options)
     backward(ref)
 
-    h = hidden.to(dtype).requires_grad_()
-    w = weight[start:stop].to(dtype).requires_grad_()
-    b = bias[start:stop].to(dtype).requires_grad_() if bias is not None else None
+    h = on(backend, hidden.to(dtype)).requires_grad_()
+    w = on(backend, weight[start:stop].to(dtype)).requires_grad_()
+    b = on(backend, bias[start:stop].to(dtype)).requires_grad_() if bias is not None else None
     shard = VocabShard(start=start, total=weight.shape[0])
-    loss = fused_linear_cross_entropy(h, w, labels, bias=b, backend=backend, chunk_size=8, vocab_shard=shard, **options)
+    loss = fused_linear_cross_entropy(
+        h, w, on(backend, labels), bias=b, backend=backend, chunk_size=8, vocab_shard=shard, **options
+    )
     backward(loss)
 
     tol = 1e-5 if dtype == torch.float32 else 1e-10
@@ -142,11 +145,13 @@ def _layout_cases(rank, world_size, backend):
     start, stop = _split(weight.shape[0], world_size, rank)
     shard = VocabShard(start=start, total=weight.shape[0])
     dtypes = (torch.float32, torch.float16) if backend == "triton" else (torch.float32, torch.float16, torch.bfloat16)
+    # the views are taken on the backend's device (a copy to another device would not keep them)
+    hidden_on, weight_on, bias_on, labels_on = on(backend, hidden, weight, bias, labels)
     for dtype in dtypes:
-        h_view = hidden.to(dtype).t().contiguous().t()  # column-major [N, D]
-        w_view = weight[start:stop].to(dtype).t().contiguous().t()  # the shard, column-major
-        b_view = torch.stack([bias, bias], 1)[start:stop, 0].to(dtype)  # stride 2
-        y_view = torch.stack([labels, labels], 1)[:, 1]  # stride 2
+        h_view = hidden_on.to(dtype).t().contiguous().t()  # column-major [N, D]
+        w_view = weight_on[start:stop].to(dtype).t().contiguous().t()  # the shard, column-major
+        b_view = torch.stack([bias_on, bias_on], 1)[start:stop, 0].to(dtype)  # stride 2
+        y_view = torch.stack([labels_on, labels_on], 1)[:, 1]  # stride 2
         views = [t.detach().requires_grad_() for t in (h_view, w_view, b_view)]
         copies = [t.detach().contiguous().requires_grad_() for t in (h_view, w_view, b_view)]
         options = dict(vocab_shard=shard, backend=backend, chunk_size=8, softcap=3.0, label_smoothing=0.1)
@@ -158,8 +163,10 @@ def _layout_cases(rank, world_size, backend):
         assert rel_err(loss, same) <= 1e-6, what
         for view, copy in zip(views, copies, strict=True):
             assert rel_err(view.grad, copy.grad) <= 1e-6, what
-        ref_inputs = [t.detach().double().requires_grad_() for t in (h_view, weight.to(dtype), bias.to(dtype))]
-        ref = naive_linear_cross_entropy(*ref_inputs[:2], y_view, bias=ref_inputs[2], softcap=3.0, label_smoothing=0.1)
+        ref_inputs = [t.detach().cpu().double().requires_grad_() for t in (h_view, weight.to(dtype), bias.to(dtype))]
+        ref = naive_linear_cross_entropy(
+            *ref_inputs[:2], y_view.cpu(), bias=ref_inputs[2], softcap=3.0, label_smoothing=0.1
+        )
         ref.backward()
         # The loss reads the target in fp32; gradients carry the dtype's rounding of the logits (bf16: 2^-9).
         grad_tol = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 2e-2}[dtype]
@@ -167,10 +174,12 @@ def _layout_cases(rank, world_size, backend):
         assert rel_err(views[0].grad, ref_inputs[0].grad) <= grad_tol, what
         assert rel_err(views[1].grad, ref_inputs[1].grad[start:stop]) <= grad_tol, what
     # An expanded labels view (one row's labels broadcast over the batch) with 3-D hidden.
-    h3 = hidden[:8].float().expand(3, 8, 10).requires_grad_()
+    h3 = on(backend, hidden[:8].float()).expand(3, 8, 10).requires_grad_()
     y3 = labels[:8].expand(3, 8)
-    w = weight[start:stop].float().requires_grad_()
-    loss = fused_linear_cross_entropy(h3, w, y3, vocab_shard=shard, backend=backend, shift=True)
+    w = on(backend, weight[start:stop].float()).requires_grad_()
+    loss = fused_linear_cross_entropy(
+        h3, w, on(backend, labels[:8]).expand(3, 8), vocab_shard=shard, backend=backend, shift=True
+    )
     ref_w = weight.clone().requires_grad_()
     ref = naive_linear_cross_entropy(hidden[:8].expand(3, 8, 10), ref_w, y3, shift=True)
     loss.backward()

@@ -1,10 +1,9 @@
-"""Input checks shared by the public ops and the chunked forwards (each message names its op).
+"""Input checks every op shares; each message starts with the name of the op that raised it (``op_name``).
 
-Checks of shapes, dtypes and option values run in the public op (``functional.py``), where
-``torch.compile`` traces them. Checks that read tensor *values* (labels in range, the count of valid
-labels, ``num_items_in_batch``) run inside the chunked forward, which is one opaque operator under
-``torch.compile``: on the CPU they raise a ``ValueError``; on CUDA they are asynchronous device
-asserts, so they cost no host sync.
+Checks of shapes, dtypes and option values run in an op's public function, where ``torch.compile`` traces
+them. Checks that read tensor *values* (labels in range, the count of valid labels, ``num_items_in_batch``)
+run inside the chunked forward, which is one opaque operator under ``torch.compile``: on the CPU they raise a
+``ValueError``; on CUDA they are asynchronous device asserts, so they cost no host sync.
 """
 
 from __future__ import annotations
@@ -14,32 +13,30 @@ import numbers
 
 import torch
 
-OP_NAME = "fused_linear_cross_entropy"
 
-
-def fail(message: str, op_name: str = OP_NAME) -> None:
+def fail(message: str, op_name: str) -> None:
     raise ValueError(f"{op_name}: {message}")
 
 
-def check_int(name: str, value, *, minimum: int | None = None, allow_none: bool = False) -> None:
+def check_int(name: str, value, *, op_name: str, minimum: int | None = None, allow_none: bool = False) -> None:
     """A Python integer (not a bool, not a tensor), at least ``minimum``."""
     if value is None and allow_none:
         return
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        fail(f"{name} must be a Python int{' or None' if allow_none else ''}, got {value!r}")
+        fail(f"{name} must be a Python int{' or None' if allow_none else ''}, got {value!r}", op_name)
     if minimum is not None and value < minimum:
-        fail(f"{name} must be >= {minimum}, got {value}")
+        fail(f"{name} must be >= {minimum}, got {value}", op_name)
 
 
 def check_real(
     name: str,
     value,
     *,
+    op_name: str,
     minimum: float | None = None,
     maximum: float | None = None,
     positive: bool = False,
     allow_none: bool = False,
-    op_name: str = OP_NAME,
 ) -> None:
     """A finite real number (not a bool, not a tensor) within the given bounds."""
     if value is None and allow_none:
@@ -54,21 +51,21 @@ def check_real(
         fail(f"{name} must be <= {maximum}, got {value}", op_name)
 
 
-def check_labels(labels: torch.Tensor, vocab_size: int, ignore_index: int) -> None:
+def check_labels(labels: torch.Tensor, vocab_size: int, ignore_index: int, op_name: str) -> None:
     """Labels must be ``ignore_index`` or in [0, V). On CUDA an asynchronous device assert, no sync."""
     bad = (labels != ignore_index) & ((labels < 0) | (labels >= vocab_size))
     if labels.device.type != "cuda":
         if bad.any():
             first = labels[bad][0].item()
-            fail(f"label {first} is outside [0, {vocab_size}) and is not ignore_index ({ignore_index})")
+            fail(f"label {first} is outside [0, {vocab_size}) and is not ignore_index ({ignore_index})", op_name)
     else:
         torch._assert_async(
             ~bad.any(),
-            f"{OP_NAME}: a label is outside [0, {vocab_size}) and is not ignore_index ({ignore_index})",
+            f"{op_name}: a label is outside [0, {vocab_size}) and is not ignore_index ({ignore_index})",
         )
 
 
-def num_items_tensor(num_items_in_batch, device: torch.device, op_name: str = OP_NAME) -> torch.Tensor:
+def num_items_tensor(num_items_in_batch, device: torch.device, op_name: str) -> torch.Tensor:
     """``num_items_in_batch`` (a number or a one-element real tensor) as a 0-d tensor on ``device``; its
     value is checked inside the op (:func:`check_num_items`)."""
     if isinstance(num_items_in_batch, torch.Tensor):
@@ -90,7 +87,7 @@ def check_num_items(
     num_items: torch.Tensor,
     num_valid: torch.Tensor,
     *,
-    op_name: str = OP_NAME,
+    op_name: str,
     none_counted: str = "every label is ignored",
     counted: str = "valid labels",
 ) -> None:
@@ -109,7 +106,7 @@ def check_num_items(
         torch._assert_async(ok, f"{op_name}: num_items_in_batch must be finite and > 0 (0 only when {none_counted})")
 
 
-def selected_rows(valid: torch.Tensor, num_valid_tokens: int | None) -> torch.Tensor | None:
+def selected_rows(valid: torch.Tensor, num_valid_tokens: int | None, op_name: str) -> torch.Tensor | None:
     """Indices (int64, ascending) of the rows whose label is not ignored (``valid``: bool [N]), or None
     when every row counts.
 
@@ -126,11 +123,11 @@ def selected_rows(valid: torch.Tensor, num_valid_tokens: int | None) -> torch.Te
         if valid.device.type != "cuda":
             counted = int(valid.sum())
             if counted != num_valid:
-                fail(f"num_valid_tokens={num_valid} but {counted} labels are not ignore_index")
+                fail(f"num_valid_tokens={num_valid} but {counted} labels are not ignore_index", op_name)
         else:
             torch._assert_async(
                 valid.sum() == num_valid,
-                f"{OP_NAME}: num_valid_tokens differs from the number of labels that are not ignore_index",
+                f"{op_name}: num_valid_tokens differs from the number of labels that are not ignore_index",
             )
     if num_valid == valid.shape[0]:
         return None

@@ -4,7 +4,7 @@ Under ``torch.compile`` dynamo must not trace into the chunked loop: its chunk c
 selection depend on the host, it launches Triton kernels and cuBLAS GEMMs into reused buffers, and
 it checks label values. So when compiling, the public op calls ``lce_patch::linear_cross_entropy``,
 one opaque node with a fake (meta) implementation for shapes and a registered autograd formula;
-eager calls keep the ``autograd.Function`` of ``chunked.py``. Both run the same
+eager calls keep the ``autograd.Function`` of ``autograd.py``. Both run the same
 :func:`chunked_forward` / :func:`chunked_backward`, so they give the same numbers.
 
 What differs under compile:
@@ -22,9 +22,13 @@ from __future__ import annotations
 
 import torch
 
-from .checks import selected_rows
-from .chunked import ChunkedOptions, _uniform_factor, chunked_backward, chunked_forward, resolve_chunks
-from .rows import LogitTransform, stats_dtype
+from ..core.backend import stats_dtype
+from ..core.checks import selected_rows
+from ..core.chunking import resolve_chunks
+from .autograd import uniform_factor
+from .chunked import chunked_backward, chunked_forward
+from .options import OP_NAME, ChunkedOptions
+from .rows import LogitTransform
 
 _FORWARD = "lce_patch::linear_cross_entropy"
 _BACKWARD = "lce_patch::linear_cross_entropy_backward"
@@ -220,12 +224,12 @@ def _backward_op(
     labels = labels.contiguous()
     row_index = None
     if skip_ignored or num_valid_tokens is not None:
-        row_index = selected_rows(labels != ignore_index, num_valid_tokens)
+        row_index = selected_rows(labels != ignore_index, num_valid_tokens, OP_NAME)
     row_labels = labels if row_index is None else labels.index_select(0, row_index)
     grads = None
     if grad_scale.numel() and grad_entropy is None and grad_loss is not None:
         rows_grad = grad_loss.reshape(-1) if row_index is None else grad_loss.reshape(-1).index_select(0, row_index)
-        factor = _uniform_factor(rows_grad, row_labels, ignore_index, grad_scale)
+        factor = uniform_factor(rows_grad, row_labels, ignore_index, grad_scale)
         if factor is not None:
             precomputed = (precomputed_dh, precomputed_dw, precomputed_db)
             grads = tuple((g.to(factor.dtype) * factor).to(g.dtype) if g.numel() else None for g in precomputed)

@@ -7,15 +7,15 @@ from typing import NamedTuple
 
 import torch
 
-from . import checks
-from .checks import check_int, check_real, fail, num_items_tensor
-from .chunked import ChunkedOptions, LinearCrossEntropyFunction
+from ..core.backend import BACKENDS, resolve_backend
+from ..core.checks import num_items_tensor
+from .autograd import LinearCrossEntropyFunction
 from .custom_op import compiled_linear_cross_entropy
-from .rows import LogitTransform, triton_usable
+from .options import OP_NAME, ChunkedOptions, check_int, check_real, fail
+from .rows import LogitTransform
 from .vocab_parallel import VocabShard, check_shard, is_dtensor, unwrap_dtensors
 
 _REDUCTIONS = ("mean", "sum", "none")
-_BACKENDS = ("auto", "triton", "torch")
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
@@ -36,28 +36,6 @@ class TokenOutputs(NamedTuple):
     label_mask: torch.Tensor
     mean_logits: torch.Tensor | None = None
     log_sum_sq_probs: torch.Tensor | None = None
-
-
-def resolve_backend(
-    backend: str, device: torch.device, dtype: torch.dtype = torch.float32, op_name: str = checks.OP_NAME
-) -> bool:
-    """True for the Triton backend, False for torch; raises for an unusable request."""
-    if backend not in _BACKENDS:
-        fail(f"unknown backend {backend!r}; expected one of {_BACKENDS}", op_name)
-    if backend == "torch":
-        return False
-    if backend == "triton" and dtype == torch.float64:
-        fail("the triton backend supports float32, float16 and bfloat16; use backend='torch' for float64", op_name)
-    usable = triton_usable(device)
-    if backend == "triton" and not usable:
-        fail(
-            f"backend='triton' needs a CUDA tensor and the triton package (or TRITON_INTERPRET=1 on CPU); "
-            f"got a tensor on {device}",
-            op_name,
-        )
-    if backend == "auto":  # the CPU interpreter only on explicit request (tests); float64 on torch
-        return usable and device.type == "cuda" and dtype != torch.float64
-    return True
 
 
 def _shape(value) -> tuple | str:
@@ -254,7 +232,7 @@ def _run_chunked(
 
     hidden, weight, bias = _compute_dtype(hidden, weight, bias)
     low_rank = _low_rank_inputs(low_rank_hidden, low_rank_weight, hidden, weight)
-    use_triton = resolve_backend(backend, hidden.device, hidden.dtype)
+    use_triton = resolve_backend(backend, hidden.device, hidden.dtype, OP_NAME)
     out_shape = labels.shape
     labels = labels.long()
     if shift:
@@ -263,7 +241,7 @@ def _run_chunked(
     hidden_2d = hidden.reshape(-1, hidden.shape[-1])
     if num_valid_tokens is not None and num_valid_tokens > labels.shape[0]:
         fail(f"num_valid_tokens={num_valid_tokens} exceeds the number of tokens ({labels.shape[0]})")
-    num_items = num_items_tensor(num_items_in_batch, hidden.device) if reduction == "items" else None
+    num_items = num_items_tensor(num_items_in_batch, hidden.device, OP_NAME) if reduction == "items" else None
 
     grad_on = torch.is_grad_enabled()
     needs_grad = (
@@ -552,8 +530,8 @@ class FusedLinearCrossEntropy(torch.nn.Module):
         super().__init__()
         if reduction not in _REDUCTIONS:
             fail(f"unknown reduction {reduction!r}; expected one of {_REDUCTIONS}")
-        if backend not in _BACKENDS:
-            fail(f"unknown backend {backend!r}; expected one of {_BACKENDS}")
+        if backend not in BACKENDS:
+            fail(f"unknown backend {backend!r}; expected one of {BACKENDS}")
         self.options = dict(
             ignore_index=ignore_index,
             softcap=softcap,

@@ -59,7 +59,7 @@ which bound the softcapped passes): each logit is overwritten as it is read with
 which needs no running max since every exponent is bounded, and after the loop the target's
 element becomes ``(exp(z_y - ref) - sum_exp) * (1 - tanh_y**2)``. The row's gradient is then
 ``U * row_factor`` with ``row_factor = reduction factor * logit_scale / temperature / sum_exp``, an
-fp32 value per row that the kernel stores and chunked.py applies to the fp32 rows of ``U @ W``
+fp32 value per row that the kernel stores and core/grads.py applies to the fp32 rows of ``U @ W``
 before dh's one rounding. ``ref`` keeps U in range: at most e^40 per element (the sum stays finite
 in fp32 for any V), and the row's largest at least e^-40, also for a row whose logits all sit near
 -bound. On the H100 this pass took 675 us per 1792-row chunk of the Gemma-2 vocabulary against 991
@@ -85,25 +85,11 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ..core.triton_helpers import max_keep_nan, transform_logits
+
 # With UNNORMALIZED_GRAD, a row's exponentials are taken against a reference at most this far below
 # the bound of its logits (see _stats_kernel).
 UNNORMALIZED_REF_SPAN: tl.constexpr = tl.constexpr(40.0)
-
-
-@triton.jit
-def _transform(raw, logit_scale, softcap, inv_temperature, HAS_SOFTCAP: tl.constexpr):
-    """Final logit from the GEMM output; also returns tanh (for the softcap derivative)."""
-    if HAS_SOFTCAP:
-        # tanh(x) = 1 - 2 / (1 + exp(2x)), with x = logit_scale * raw / softcap: one exponential and
-        # one division per logit (Triton's fp32 division is the 2-ulp div.full), one op fewer than a
-        # sigmoid of a quotient; ~1 ms less per Gemma-2 step (NOTES v10). exp(2x) = inf gives t = 1
-        # exactly, exp(2x) = 0 gives t = -1, NaN stays NaN.
-        t = 1.0 - 2.0 / (1.0 + tl.exp(raw * (2.0 * logit_scale / softcap)))
-        z = t * (softcap * inv_temperature)
-    else:
-        t = raw * 0.0
-        z = raw * (logit_scale * inv_temperature)
-    return z, t
 
 
 @triton.jit
@@ -114,11 +100,6 @@ def _load_block(row_ptr, cols, vocab_size, MASKED: tl.constexpr):
     else:
         raw = tl.load(row_ptr + cols)
     return raw.to(tl.float32)
-
-
-@triton.jit
-def _max_keep_nan(a, b):
-    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
 
 
 @triton.jit
@@ -152,7 +133,7 @@ def _stats_block(
     accumulators [LANES] (one lane holds GROUP consecutive logits); with ``STORE_UNNORMALIZED``
     (bounded exponents only) also overwrite them with ``exp(z - fixed_max) * (1 - tanh**2)``."""
     raw = _load_block(row_ptr, cols, vocab_size, MASKED)
-    z, t = _transform(raw, logit_scale, softcap, inv_temperature, HAS_SOFTCAP)
+    z, t = transform_logits(raw, logit_scale, softcap, inv_temperature, HAS_SOFTCAP)
     z_or_0 = z
     if MASKED:
         in_row = cols < vocab_size
@@ -170,12 +151,12 @@ def _stats_block(
             else:
                 tl.store(row_ptr + cols, unnormalized)
         if WANT_TOP1:
-            lane_max = _max_keep_nan(lane_max, tl.reduce(z, 1, _max_keep_nan))
+            lane_max = max_keep_nan(lane_max, tl.reduce(z, 1, max_keep_nan))
     else:
         # One running max per lane, i.e. per GROUP logits: one rescale exp per group, one exp per
         # logit. NaN must win the max (the default max drops it): a NaN logit seen first in its
         # lane would otherwise look like padding below and vanish from the sums.
-        new_max = _max_keep_nan(lane_max, tl.reduce(z, 1, _max_keep_nan))
+        new_max = max_keep_nan(lane_max, tl.reduce(z, 1, max_keep_nan))
         empty_lane = new_max == float("-inf")  # only padding seen so far: keep zero sums, no inf - inf
         rescale = tl.where(empty_lane, 1.0, tl.exp(lane_max - new_max))
         e = tl.where(empty_lane[:, None], 0.0, tl.exp(z - new_max[:, None]))
@@ -200,8 +181,8 @@ def _stats_block(
     if HAS_SUM_Z:
         lane_z += tl.sum(z_or_0, 1)
     if WANT_TOP1:
-        lane_before_target = _max_keep_nan(
-            lane_before_target, tl.reduce(tl.where(cols < label, z, float("-inf")), 1, _max_keep_nan)
+        lane_before_target = max_keep_nan(
+            lane_before_target, tl.reduce(tl.where(cols < label, z, float("-inf")), 1, max_keep_nan)
         )
     return lane_max, lane_sum, lane_sum_z, lane_z, lane_before_target, lane_sum_sq, lane_rest, lane_ties
 
@@ -232,7 +213,7 @@ def _grad_block(
     """One block of the second pass: overwrite the logits at ``cols`` with their gradient, leaving out
     the target's ``- (1 - label_smoothing)`` (the kernel writes the target's element after the loop)."""
     raw = _load_block(row_ptr, cols, vocab_size, MASKED)
-    z, t = _transform(raw, logit_scale, softcap, inv_temperature, HAS_SOFTCAP)
+    z, t = transform_logits(raw, logit_scale, softcap, inv_temperature, HAS_SOFTCAP)
     grad = tl.exp(z - lse) * p_scale
     if HAS_SMOOTHING:
         grad -= label_smoothing / vocab_size
@@ -294,7 +275,7 @@ def _stats_kernel(
     # The target's logit as the buffer holds it, read once (0 for an ignored row): the loops need no
     # per-logit comparison with the label. Read before the second pass overwrites the row.
     target_raw = tl.load(row_ptr + safe_label, mask=label_in_row, other=0.0).to(tl.float32)
-    target_z, target_t = _transform(target_raw, logit_scale, softcap, inv_temperature, HAS_SOFTCAP)
+    target_z, target_t = transform_logits(target_raw, logit_scale, softcap, inv_temperature, HAS_SOFTCAP)
     if UNNORMALIZED_GRAD:
         # The exponentials' reference for this row: its target logit, but never more than
         # UNNORMALIZED_REF_SPAN below the bound. Every exp(z - ref) is then at most e^40 and the sum
@@ -367,7 +348,7 @@ def _stats_kernel(
     loss_lse = lse
     loss_target_z = target_z
     if HAS_EXACT_TARGET:
-        exact_z, _ = _transform(tl.load(target_raw_ptr + row), logit_scale, softcap, inv_temperature, HAS_SOFTCAP)
+        exact_z, _ = transform_logits(tl.load(target_raw_ptr + row), logit_scale, softcap, inv_temperature, HAS_SOFTCAP)
         exact_sum = tl.maximum(sum_exp - tl.exp(target_z - ref_max), 0.0) + tl.exp(exact_z - ref_max)
         loss_lse = tl.where(label_in_row, ref_max + tl.log(exact_sum), lse)
         loss_target_z = tl.where(label_in_row, exact_z, target_z)
@@ -464,7 +445,7 @@ def _grad_kernel(
     inv_temperature = tl.cast(inv_temperature, tl.float32)
 
     raw = tl.load(row_ptr + cols, mask=in_row, other=0.0).to(tl.float32)
-    z, t = _transform(raw, logit_scale, softcap, inv_temperature, HAS_SOFTCAP)
+    z, t = transform_logits(raw, logit_scale, softcap, inv_temperature, HAS_SOFTCAP)
     p = tl.exp(z - lse)
     grad = tl.zeros([BLOCK_V], dtype=tl.float32)
     if HAS_LOSS_GRAD:
@@ -533,19 +514,3 @@ def _target_logit_kernel(
     if HAS_BIAS:
         value += tl.load(bias_ptr + safe_label * bias_stride).to(tl.float32)
     tl.store(out_ptr + program, tl.where(in_range, value, 0.0))
-
-
-@triton.jit
-def _scale_inplace_kernel(x_ptr, numel, scale_ptr, BLOCK: tl.constexpr):
-    """``x *= scale`` for a scale held in device memory, skipped when it is exactly 1.
-
-    The backward of the scalar loss multiplies the precomputed dW (up to GBs) by grad_output,
-    which is almost always 1.0; testing it on the device avoids both a host sync and a full pass
-    over dW. Multiplying by 1 is exact, so skipping it changes no bit.
-    """
-    scale = tl.load(scale_ptr).to(tl.float32)
-    if scale != 1.0:
-        offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        mask = offsets < numel
-        x = tl.load(x_ptr + offsets, mask=mask)
-        tl.store(x_ptr + offsets, (x.to(tl.float32) * scale).to(x_ptr.dtype.element_ty), mask=mask)

@@ -10,18 +10,15 @@ the readable reference for the kernels.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 
-try:  # Triton is optional: the torch backend needs none of it.
-    from . import kernels as _kernels
+from ..core.backend import HAS_TRITON, cdiv, next_power_of_2, stats_dtype
 
-    HAS_TRITON = True
-except ImportError:  # pragma: no cover - depends on the platform
-    _kernels = None
-    HAS_TRITON = False
+_kernels = None
+if HAS_TRITON:
+    from . import kernels as _kernels
 
 # Vocabulary block per program iteration of the stats kernel (8 warps, one program per row): it keeps
 # up to five fp32 per-lane accumulators, 16 registers per thread each at 4096 lanes. On the H100 the
@@ -73,21 +70,7 @@ class RowOutputs:
     log_sum_sq: torch.Tensor | None = None  # log(sum_v p_v**2)
 
 
-def triton_usable(device: torch.device) -> bool:
-    """Whether the Triton kernels can run on tensors of ``device``."""
-    if not HAS_TRITON:
-        return False
-    if device.type == "cuda":
-        return True
-    return device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
-
-
 # --------------------------------------------------------------------------- torch versions
-
-
-def stats_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype of per-row statistics and accumulations: float64 for float64 inputs, else float32."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def final_logits(raw: torch.Tensor, transform: LogitTransform) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -265,7 +248,7 @@ def _triton_chunk_stats(
         raise ValueError("chunk_stats: row_factor needs grad_scale and a case unnormalized_grad_applies to")
     if unnormalized and want_log_sum_sq:
         raise ValueError("chunk_stats: row_factor cannot be combined with log_sum_sq")
-    block_v = min(_BLOCK_V_STATS, _next_power_of_2(vocab_size))
+    block_v = min(_BLOCK_V_STATS, next_power_of_2(vocab_size))
     lane_group = 1 if use_fixed_max and grad_scale is not None else min(_LANE_GROUP, block_v)
     _kernels._stats_kernel[(rows,)](
         raw,
@@ -299,8 +282,8 @@ def _triton_chunk_stats(
 
 def _triton_chunk_grad(raw, labels, transform, lse, entropy, grad_loss, grad_entropy) -> None:
     rows, vocab_size = raw.shape
-    block_v = min(_BLOCK_V_GRAD, _next_power_of_2(vocab_size))
-    grid = (rows, triton_cdiv(vocab_size, block_v))
+    block_v = min(_BLOCK_V_GRAD, next_power_of_2(vocab_size))
+    grid = (rows, cdiv(vocab_size, block_v))
     _kernels._grad_kernel[grid](
         raw,
         raw.stride(0),
@@ -319,26 +302,7 @@ def _triton_chunk_grad(raw, labels, transform, lse, entropy, grad_loss, grad_ent
     )
 
 
-def _next_power_of_2(value: int) -> int:
-    return 1 << max(0, (value - 1).bit_length())
-
-
-def triton_cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 # --------------------------------------------------------------------------- dispatch
-
-
-def scale_inplace(grad: torch.Tensor, scale: torch.Tensor, use_triton: bool) -> None:
-    """``grad *= scale`` (0-d tensor) without a host sync; free when ``scale`` is exactly 1 on Triton."""
-    if use_triton and grad.is_contiguous() and grad.numel() > 0:
-        block = 4096
-        _kernels._scale_inplace_kernel[(triton_cdiv(grad.numel(), block),)](
-            grad, grad.numel(), scale.float().reshape(1), BLOCK=block
-        )
-    else:
-        grad.mul_(scale)
 
 
 def chunk_stats(
@@ -405,7 +369,7 @@ def target_logits(
             vocab_size,
             HAS_BIAS=bias is not None,
             GATHER_ROWS=row_index is not None,
-            BLOCK_D=min(1024, _next_power_of_2(hidden_size)),
+            BLOCK_D=min(1024, next_power_of_2(hidden_size)),
         )
         return out
     if row_index is not None:

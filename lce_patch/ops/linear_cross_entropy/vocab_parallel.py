@@ -36,8 +36,9 @@ from typing import Any
 
 import torch
 
-from .checks import fail
-from .rows import LogitTransform, RowOutputs, chunk_grad, chunk_stats, final_logits, stats_dtype
+from ..core.backend import stats_dtype
+from .options import fail
+from .rows import LogitTransform, RowOutputs, chunk_grad, chunk_stats, final_logits
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ Two row implementations. The torch one (any device, float64 too) upcasts both ``
 at least fp32 and keeps about six such temporaries and an fp32 dW accumulator. The Triton one (``kernels.py``)
 keeps the two GEMM outputs in the compute dtype in two buffers reused by every chunk, turns the student's into
 G in place, and adds each chunk's ``G.T @ hidden_c`` into dW as the cross-entropy op does
-(``_GradAccumulator``: bf16/fp32 dW in place, fp16 through fp32, the dW GEMM on a second stream).
+(``GradAccumulator``: bf16/fp32 dW in place, fp16 through fp32, the dW GEMM on a second stream).
 """
 
 from __future__ import annotations
@@ -37,9 +37,11 @@ from dataclasses import dataclass
 
 import torch
 
-from ..linear_cross_entropy import chunked as _ce_chunked
-from ..linear_cross_entropy.checks import check_num_items
-from ..linear_cross_entropy.rows import HAS_TRITON, _next_power_of_2, scale_inplace
+from ..core.backend import HAS_TRITON, next_power_of_2, scale_inplace, stats_dtype
+from ..core.checks import check_num_items
+from ..core.chunking import chunk_spans
+from ..core.chunking import default_chunk_rows as gemm_chunk_rows
+from ..core.grads import GradAccumulator, matmul_into
 
 if HAS_TRITON:
     from .kernels import launch_divergence
@@ -80,7 +82,7 @@ def default_chunk_rows(
     to fill the GPU at a thin hidden size, at most 16 bf16 roundings of dW), which also sizes the
     teacher's buffer."""
     if use_triton:
-        return _ce_chunked.default_chunk_rows(num_rows, vocab, dtype, True, hidden_size=hidden_size, num_sms=num_sms)
+        return gemm_chunk_rows(num_rows, vocab, dtype, True, hidden_size=hidden_size, num_sms=num_sms)
     return max(1, min(num_rows, DEFAULT_LOGITS_BUDGET_BYTES // (4 * vocab)))
 
 
@@ -195,12 +197,12 @@ def _run_triton_chunks(hidden, teacher_hidden, weight, bias, teacher_weight, tea
     entropy = torch.empty(num_rows, dtype=torch.float32, device=hidden.device)
     grads = None
     if row_coeff is not None:
-        grads = _ce_chunked._GradAccumulator(hidden, weight, bias, *needs)
+        grads = GradAccumulator(hidden, weight, bias, *needs)
         row_coeff = row_coeff.float()
     # addmm's bias must have the product's dtype (a bias in another dtype: a copy of V elements)
     bias = None if bias is None else bias.to(weight.dtype)
     teacher_bias = None if teacher_bias is None else teacher_bias.to(teacher_weight.dtype)
-    spans = _ce_chunked.chunk_spans(num_rows, options.chunk_rows, fold_tail=True)
+    spans = chunk_spans(num_rows, options.chunk_rows, fold_tail=True)
     buffer_rows = max(end - start for start, end in spans)
     student_buffer = torch.empty(buffer_rows, vocab, dtype=weight.dtype, device=hidden.device)
     teacher_buffer = torch.empty(buffer_rows, vocab, dtype=teacher_weight.dtype, device=hidden.device)
@@ -213,15 +215,15 @@ def _run_triton_chunks(hidden, teacher_hidden, weight, bias, teacher_weight, tea
         teacher_logit_scale=options.teacher_logit_scale,
         teacher_softcap=options.teacher_softcap,
         inv_temperature=1.0 / options.temperature,
-        block_v=min(_BLOCK_V, _next_power_of_2(vocab)),
+        block_v=min(_BLOCK_V, next_power_of_2(vocab)),
         num_warps=_NUM_WARPS,
     )
     for start, end in spans:
         rows = slice(start, end)
         student = student_buffer[: end - start]
         teacher = teacher_buffer[: end - start]
-        _ce_chunked._matmul_into(student, hidden[rows], weight, bias)
-        _ce_chunked._matmul_into(teacher, teacher_hidden[rows], teacher_weight, teacher_bias)
+        matmul_into(student, hidden[rows], weight, bias)
+        matmul_into(teacher, teacher_hidden[rows], teacher_weight, teacher_bias)
         coeff = None if row_coeff is None else row_coeff[rows]
         launch_divergence(student, teacher, coeff, divergence[rows], entropy[rows], **scalars)
         if grads is not None:
@@ -240,7 +242,7 @@ def run_chunks(hidden, teacher_hidden, weight, bias, teacher_weight, teacher_bia
     divergence = torch.empty(num_rows, dtype=dtype, device=hidden.device)
     entropy = torch.empty(num_rows, dtype=dtype, device=hidden.device)
     grads = _Grads(hidden, weight, bias, needs) if row_coeff is not None else None
-    for start, end in _ce_chunked.chunk_spans(num_rows, options.chunk_rows):
+    for start, end in chunk_spans(num_rows, options.chunk_rows):
         hidden_c = hidden[start:end]
         coeff = None if row_coeff is None else row_coeff[start:end]
         div_c, ent_c, grad = chunk_pass(
@@ -293,7 +295,7 @@ def divergence_forward(
         row_weight != 0, divergence, torch.zeros((), dtype=divergence.dtype, device=divergence.device)
     )
     out = divergence.sum() * scale if scale is not None else divergence
-    out_dtype = output_dtype(weight.dtype)
+    out_dtype = stats_dtype(weight.dtype)
     return out.to(out_dtype), entropy.to(out_dtype), grads
 
 
@@ -304,11 +306,6 @@ def divergence_backward(
     coeff = grad_out.to(row_weight.dtype) * row_weight
     _, _, grads = run_chunks(hidden, teacher_hidden, weight, bias, teacher_weight, teacher_bias, options, coeff, needs)
     return grads.results(weight.dtype, None if bias is None else bias.dtype)
-
-
-def output_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The loss's and entropy's dtype: float64 for float64 inputs, else float32."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 class LinearDivergenceFunction(torch.autograd.Function):

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import torch
 
-from .chunked import DivergenceOptions, divergence_backward, divergence_forward, output_dtype
+from ..core.backend import stats_dtype
+from .chunked import DivergenceOptions, divergence_backward, divergence_forward
 
 _FORWARD = "lce_patch::linear_divergence"
 _BACKWARD = "lce_patch::linear_divergence_backward"
@@ -62,7 +63,7 @@ def _forward_op(
         options, tuple(needs_grad),
     )  # fmt: skip
     dh, dw, db = grads or (None, None, None)
-    stats = output_dtype(weight.dtype)
+    stats = stats_dtype(weight.dtype)
     return (
         out,
         entropy,
@@ -77,7 +78,7 @@ def _(
     hidden, weight, bias, teacher_hidden, teacher_weight, teacher_bias, row_weight, num_items, reduction, needs_grad, *_
 ):
     rows = hidden.shape[0]
-    stats = output_dtype(weight.dtype)
+    stats = stats_dtype(weight.dtype)
     in_forward = reduction != "none" and any(needs_grad)
     return (
         hidden.new_empty(() if reduction != "none" else (rows,), dtype=stats),
@@ -160,7 +161,7 @@ def _backward_op(
         hidden, weight, bias, teacher_hidden, teacher_weight, teacher_bias, row_weight, grad_out, options,
         tuple(needs_grad),
     )  # fmt: skip
-    stats = output_dtype(weight.dtype)
+    stats = stats_dtype(weight.dtype)
     return (
         dh if dh is not None else _empty_grad(hidden, hidden.dtype),
         dw if dw is not None else _empty_grad(weight, weight.dtype),
@@ -170,7 +171,7 @@ def _backward_op(
 
 @_backward_op.register_fake
 def _(hidden, weight, bias, teacher_hidden, teacher_weight, teacher_bias, row_weight, grad_out, needs_grad, *_):
-    stats = output_dtype(weight.dtype)
+    stats = stats_dtype(weight.dtype)
     return (
         hidden.new_empty(hidden.shape if needs_grad[0] else (0,)),
         weight.new_empty(weight.shape if needs_grad[1] else (0,)),

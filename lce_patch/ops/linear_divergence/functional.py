@@ -7,8 +7,8 @@ import functools
 
 import torch
 
-from ..linear_cross_entropy import checks
-from ..linear_cross_entropy.functional import resolve_backend
+from ..core import checks
+from ..core.backend import resolve_backend
 from .chunked import OP_NAME, DivergenceOptions, LinearDivergenceFunction, default_chunk_rows
 from .custom_op import compiled_linear_divergence
 

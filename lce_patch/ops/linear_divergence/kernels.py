@@ -41,14 +41,14 @@ import torch
 import triton
 import triton.language as tl
 
-from ..linear_cross_entropy.kernels import _max_keep_nan, _transform
+from ..core.triton_helpers import max_keep_nan, transform_logits
 
 
 @triton.jit
 def _load_logits(row_ptr, cols, in_row, scale, softcap, inv_temperature, HAS_SOFTCAP: tl.constexpr):
     """fp32 final logits and tanh at ``cols`` (columns past the row's end read as a raw 0)."""
     raw = tl.load(row_ptr + cols, mask=in_row, other=0.0).to(tl.float32)
-    return _transform(raw, scale, softcap, inv_temperature, HAS_SOFTCAP)
+    return transform_logits(raw, scale, softcap, inv_temperature, HAS_SOFTCAP)
 
 
 @triton.jit
@@ -128,8 +128,8 @@ def _divergence_kernel(
         z = tl.where(in_row, z, -float("inf"))
         zt = tl.where(in_row, zt, -float("inf"))
         # the first block holds column 0, so the maxima are finite (or NaN) from then on: no inf - inf
-        new_max_s = _max_keep_nan(max_s, tl.reduce(z, 0, _max_keep_nan))
-        new_max_t = _max_keep_nan(max_t, tl.reduce(zt, 0, _max_keep_nan))
+        new_max_s = max_keep_nan(max_s, tl.reduce(z, 0, max_keep_nan))
+        new_max_t = max_keep_nan(max_t, tl.reduce(zt, 0, max_keep_nan))
         sum_s = sum_s * tl.exp(max_s - new_max_s) + tl.exp(z - new_max_s)
         sum_t = sum_t * tl.exp(max_t - new_max_t) + tl.exp(zt - new_max_t)
         max_s = new_max_s

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from ..linear_cross_entropy.naive import naive_logits
+from ..core.naive import naive_logits
 
 
 def token_divergence(student_log_probs: torch.Tensor, teacher_log_probs: torch.Tensor, beta: float) -> torch.Tensor:

@@ -1,0 +1,150 @@
+"""The chunk-size policy: how many token rows each chunk of an op's ``[chunk, V]`` logits buffer holds.
+
+A chunk must be long enough for cuBLAS to run its three GEMMs near full speed (about 1024 rows, more for a
+thin hidden size), short enough that the buffer stays within a memory budget (256 MiB of logits on the
+Triton path), and, in bf16, the chunks few enough that dW's rounding per chunk stays below the unfused
+path's error. The constants below carry the measurements that chose them (benchmarks/NOTES.md).
+"""
+
+from __future__ import annotations
+
+import torch
+
+# Default size of the logits buffer: 256 MiB, but never fewer than 1024 token rows. cuBLAS runs
+# the three GEMM shapes near its full-size rate from about 1024 rows (K of the dW GEMM, M of the
+# dh GEMM); smaller chunks cost 10-15% on the H100 (Gemma-2: 56.7 ms at 512 rows vs 51.7 ms at
+# 1024). See benchmarks/NOTES.md.
+DEFAULT_LOGITS_BUDGET_BYTES = 256 * 1024 * 1024
+MIN_DEFAULT_CHUNK_ROWS = 1024
+# Thin hidden sizes need more rows: a chunk's dh GEMM writes a [C, D] output, which cuBLAS's Hopper
+# kernels cover in tiles of about 128 x 256, one per SM at a time; below (SMs x 128 x 256) / D rows
+# SMs idle. On the H100 Gemma-2 (D = 2304) ran 86% of its floor at 1024-row chunks and 91-92% at
+# 1760-1792 rows (NOTES v12). The default is at least that many rows, rounded down to a multiple of
+# 128 (H100: 1792 for D = 2304; 1152 for D = 3584; 1024 for D = 4096), also when N rows would split
+# into more even chunks of fewer rows.
+GEMM_TILE_ELEMENTS = 128 * 256
+# Chunk sizes are multiples of 128 rows (cuBLAS's tile height): 1008-row chunks ran 2-3% slower than
+# 1024-row ones forward+backward and 6-8% slower forward-only on the Llama-3 and Qwen2.5 shapes.
+CHUNK_ROW_MULTIPLE = 128
+# Long chunks (the N/16 rule below, at 100k+ tokens) are multiples of 256 rows: on the H100 the Gemma-2
+# head (V 256,000, D 2,304) at N = 131,072 ran 7,040-row chunks (55 x 128) at 685.8 ms with skip_ignored and
+# 823.3 ms without, against 626.6-641.2 ms and 723.8-747.1 ms for 6,912, 7,168, 7,424, 7,680 and 8,192
+# rows (multiples of 256) of the same data: cuBLAS picks a slow kernel for that odd multiple of 128.
+LARGE_CHUNK_ROWS = 2048
+LARGE_CHUNK_ROW_MULTIPLE = 256
+# A bf16 dW is rounded once per chunk as the chunks' products are added into it. Past ~16 chunks
+# those roundings exceed the unfused path's own gradient error (measured on the H100: N=70001
+# in 69 chunks gave a dW error of 1.2e-2 vs 2.1e-3 in one chunk), so the default chunk grows with
+# N instead: at most 16 bf16 roundings, at the cost of N*V*2/16 bytes of logits buffer.
+MAX_BF16_DW_CHUNKS = 16
+# Every chunk costs a read and write of the whole dW (its product is added into it) and, for a few
+# rows, two GEMMs that stream all of W: a last chunk of 8 rows costs as much as ~250 rows of work.
+# At the default, a remainder of less than one 128-row tile (and at most 1/8 of the chunk) joins the
+# last full chunk instead (N = 8200 on Llama-3-8B: 7 x 1024 + 1032 rows, not 8 x 1024 + 8): the
+# GEMMs then run the same number of tiles, and the buffer grows by fewer than 128 rows (longer tails
+# would also save time, but their rows would take the Qwen2.5 shape at N = 8192 past its memory
+# target). A chunk_size the user gives is kept as a cap.
+TAIL_FOLD_FRACTION = 8
+# A forward without gradients holds no dW: its buffer may take those bytes too (D more rows when W
+# and the buffer share a dtype), so evaluation never needs more memory than a training step of the
+# same batch. Fewer, longer chunks run the logits GEMM faster: on the H100, forward only, Llama-3-8B
+# 11.98 -> 11.10 ms at 3584-row chunks, Qwen2.5 12.54 -> 11.55, N = 4096 6.29 -> 5.47 (NOTES v14).
+# The torch row op keeps about four fp32 [C, V] temporaries beside the buffer; on the CPU a
+# smaller budget keeps the fused path leaner than the unfused one even for small models.
+_TORCH_TEMPORARIES_PER_LOGIT = 16
+TORCH_LOGITS_BUDGET_BYTES = 32 * 1024 * 1024
+
+
+def default_chunk_rows(
+    num_rows: int,
+    vocab_size: int,
+    dtype: torch.dtype,
+    use_triton: bool,
+    hidden_size: int | None = None,
+    num_sms: int | None = None,
+    spare_bytes: int = 0,
+) -> int:
+    """Token rows per chunk for ``num_rows`` processed rows: the logits budget, at least 1024 rows on
+    the Triton path and, given ``hidden_size`` and the GPU's ``num_sms``, enough rows for the dh GEMM
+    to fill the GPU, and few enough chunks that a bf16 dW is rounded at most ``MAX_BF16_DW_CHUNKS``
+    times; plus as many rows as ``spare_bytes`` hold (a forward without gradients passes the bytes of
+    the dW it does not allocate); then the fewest chunks of that size, made as even as multiples of
+    128 rows allow (256 for chunks of more than ``LARGE_CHUNK_ROWS`` rows in training)."""
+    tile = CHUNK_ROW_MULTIPLE
+    element_size = torch.finfo(dtype).bits // 8
+    bytes_per_row = vocab_size * (element_size if use_triton else element_size + _TORCH_TEMPORARIES_PER_LOGIT)
+    budget = DEFAULT_LOGITS_BUDGET_BYTES if use_triton else TORCH_LOGITS_BUDGET_BYTES
+    rows = budget // max(bytes_per_row, 1)
+    if rows >= 2 * tile:
+        rows = rows // tile * tile
+    fill_rows = 0
+    if use_triton:
+        rows = max(rows, MIN_DEFAULT_CHUNK_ROWS)
+        if hidden_size and num_sms:
+            fill_rows = num_sms * GEMM_TILE_ELEMENTS // hidden_size // tile * tile
+            rows = max(rows, fill_rows)
+            if fill_rows <= MIN_DEFAULT_CHUNK_ROWS:  # not a thin hidden size: even chunks below it are fine
+                fill_rows = 0
+    if dtype == torch.bfloat16:
+        rows = max(rows, round_up(-(-num_rows // MAX_BF16_DW_CHUNKS), tile))
+    spare_rows = spare_bytes // max(bytes_per_row, 1)
+    if spare_rows >= tile:
+        rows += spare_rows // tile * tile
+    rows = int(max(1, min(rows, max(num_rows, 1))))
+    chunks = -(-num_rows // rows)
+    if chunks > 1:  # the fewest chunks of at most ``rows``, as even as whole tiles (16 rows on torch) allow,
+        # but not below the rows that fill the GPU: a shorter last chunk costs less than every chunk's dh
+        # GEMM leaving SMs idle (NOTES v17: Qwen2.5 at N = 8192, 7 x 1152 + 128 rows ran 1.2 ms faster
+        # than 8 x 1024; Gemma-2 4 x 1792 + 1024 1.1 ms faster than 5 x 1664).
+        rows = min(rows, max(round_up(-(-num_rows // chunks), tile if use_triton else 16), fill_rows))
+    if use_triton and not spare_bytes and LARGE_CHUNK_ROWS < rows < num_rows:  # rounded up: never more chunks
+        rows = min(round_up(rows, LARGE_CHUNK_ROW_MULTIPLE), num_rows)
+    return rows
+
+
+def chunk_spans(num_rows: int, chunk_rows: int, fold_tail: bool = False) -> tuple[tuple[int, int], ...]:
+    """(start, stop) of each chunk of ``num_rows`` rows: ``chunk_rows`` rows each, the last one shorter;
+    with ``fold_tail``, a last chunk of fewer than ``CHUNK_ROW_MULTIPLE`` rows and at most
+    ``chunk_rows // TAIL_FOLD_FRACTION`` joins the one before it."""
+    starts = list(range(0, num_rows, chunk_rows))
+    tail_limit = min(chunk_rows // TAIL_FOLD_FRACTION, CHUNK_ROW_MULTIPLE - 1)
+    if fold_tail and len(starts) > 1 and num_rows - starts[-1] <= tail_limit:
+        starts.pop()
+    return tuple(zip(starts, [*starts[1:], num_rows]))
+
+
+def round_up(value: int, multiple: int) -> int:
+    """``value`` rounded up to a multiple of ``multiple``."""
+    return -(-value // multiple) * multiple
+
+
+def resolve_chunks(
+    chunk_size: int | None,
+    processed_rows: int,
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    use_triton: bool,
+    any_grad: bool,
+) -> tuple[tuple[int, int], ...]:
+    """The (start, stop) row spans of the chunks over ``processed_rows`` rows: ``chunk_size`` rows
+    each, or :func:`default_chunk_rows`'s with a short remainder folded into the last chunk."""
+    if chunk_size is not None:
+        return chunk_spans(processed_rows, chunk_size)
+    num_sms = torch.cuda.get_device_properties(hidden.device).multi_processor_count if hidden.is_cuda else None
+    # Evaluation of a trainable W: the buffer may take the bytes its dW would have taken.
+    spare = weight.numel() * weight.element_size() if weight.requires_grad and not any_grad else 0
+    rows = default_chunk_rows(
+        processed_rows,
+        weight.shape[0],
+        hidden.dtype,
+        use_triton,
+        hidden_size=hidden.shape[-1],
+        num_sms=num_sms,
+        spare_bytes=spare,
+    )
+    return chunk_spans(processed_rows, rows, fold_tail=True)
+
+
+def buffer_rows(chunks: tuple[tuple[int, int], ...]) -> int:
+    """The rows of a buffer that holds the longest chunk."""
+    return max((stop - start for start, stop in chunks), default=1)
