@@ -37,7 +37,7 @@ def build_inputs(workdir: Path, tiny: bool, seq_len: int) -> Path:
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     sys.path.insert(0, str(REPO / "recipes"))
-    from _common import build_embedded_tokenizer
+    from _loading import build_embedded_tokenizer
 
     tokenizer = build_embedded_tokenizer()
     shape = (

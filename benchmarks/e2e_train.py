@@ -148,7 +148,7 @@ def run(setup: str, model_name: str, seq_len: int, steps: int, out_dir: str, pro
         from trl import SFTConfig, SFTTrainer
 
         sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "recipes"))
-        from _common import build_embedded_tokenizer
+        from _loading import build_embedded_tokenizer
 
         trainer = SFTTrainer(
             model=model,

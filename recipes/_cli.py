@@ -1,7 +1,8 @@
 """Command-line options shared by the recipes.
 
 This module imports only the standard library, so ``--help`` answers at once; the heavy imports
-(torch, transformers, TRL) happen in ``_common`` after the arguments are parsed.
+(torch, transformers, TRL) happen in ``_loading``, ``_measuring``, ``_reporting`` and ``_running``, which
+the recipes import after the arguments are parsed.
 """
 
 from __future__ import annotations

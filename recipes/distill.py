@@ -46,7 +46,7 @@ def train_embedded_teacher(
     args: argparse.Namespace, tokenizer: PreTrainedTokenizerBase, conversations: datasets.Dataset
 ) -> PreTrainedModel:
     """A wider embedded Llama fitted to the shipped conversations for ``--teacher-steps`` steps (fused loss)."""
-    import _common
+    import _loading
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig, set_seed
 
@@ -54,11 +54,11 @@ def train_embedded_teacher(
 
     set_seed(args.seed + 1)
     config = LlamaConfig(
-        vocab_size=_common.embedded_vocab(tokenizer),
+        vocab_size=_loading.embedded_vocab(tokenizer),
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
         bos_token_id=None,
-        **{**_common.EMBEDDED_CONFIG, **TEACHER_CONFIG},
+        **{**_loading.EMBEDDED_CONFIG, **TEACHER_CONFIG},
     )
     teacher = AutoModelForCausalLM.from_config(config)
     lce_patch.apply_fused_lce(teacher)
@@ -96,9 +96,9 @@ def load_teacher(args: argparse.Namespace, tokenizer: PreTrainedTokenizerBase) -
 
             _teacher_cache["teacher"] = AutoModelForCausalLM.from_pretrained(args.teacher, dtype=torch.float32).eval()
         else:
-            import _common
+            import _loading
 
-            conversations = _common.load_train_dataset(args)
+            conversations = _loading.load_train_dataset(args)
             _teacher_cache["teacher"] = train_embedded_teacher(args, tokenizer, conversations)
     return copy.deepcopy(_teacher_cache["teacher"])
 
@@ -108,13 +108,13 @@ def prepare_dataset(
 ) -> datasets.Dataset:
     """A ``prompt`` column: from ``--dataset`` (``--prompt-column``), or the shipped conversations up to each
     user turn."""
-    import _common
+    import _loading
 
     columns = dataset.column_names
     if args.dataset is None and "messages" in columns:
         from grpo import prompts_and_answers
 
-        return _common.first_examples(prompts_and_answers(dataset).select_columns(["prompt"]), args.max_examples)
+        return _loading.first_examples(prompts_and_answers(dataset).select_columns(["prompt"]), args.max_examples)
     if args.prompt_column not in columns:
         raise SystemExit(f"the dataset has columns {columns}, not the prompt column '{args.prompt_column}'")
     dataset = dataset.select_columns([args.prompt_column])
@@ -132,12 +132,12 @@ def make_trainer(
     output_dir: Path,
 ) -> Trainer:
     """A TRL DistillationTrainer over ``dataset`` with ``callbacks``, the student ``model`` and the teacher."""
-    import _common
+    import _loading
     from trl import DistillationConfig, DistillationTrainer
 
     # The batches hold prompts, not ``input_ids``: the recipe counts tokens from TRL's own ``num_tokens``.
     config = DistillationConfig(
-        **{**_common.training_kwargs(args, output_dir), "include_num_input_tokens_seen": "no"},
+        **{**_loading.training_kwargs(args, output_dir), "include_num_input_tokens_seen": "no"},
         beta=args.beta,
         max_completion_length=args.max_completion_length,
         temperature=args.temperature,
@@ -148,7 +148,7 @@ def make_trainer(
         args=config,
         train_dataset=dataset,
         processing_class=tokenizer,
-        peft_config=_common.lora_config(args) if args.lora else None,
+        peft_config=_loading.lora_config(args) if args.lora else None,
         callbacks=callbacks,
     )
 
@@ -191,11 +191,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.teacher_steps < 0:
         parser.error("--teacher-steps must be >= 0")
 
-    import _common
+    import _running
 
     metrics = ("entropy", "completions/mean_length")
-    recipe = _common.Recipe("distill", "TRL kernel", prepare_dataset, make_trainer, metrics=metrics)
-    return _common.run_recipe(recipe, args)
+    recipe = _running.Recipe("distill", "TRL kernel", prepare_dataset, make_trainer, metrics=metrics)
+    return _running.run_recipe(recipe, args)
 
 
 if __name__ == "__main__":

@@ -68,9 +68,9 @@ def prepare_dataset(
     if all(c in columns for c in PREFERENCE_COLUMNS):
         return dataset.select_columns(list(PREFERENCE_COLUMNS))
     if "messages" in columns and args.dataset is None:
-        import _common
+        import _loading
 
-        return _common.first_examples(preference_pairs(dataset), args.max_examples)
+        return _loading.first_examples(preference_pairs(dataset), args.max_examples)
     raise SystemExit(
         f"the dataset has columns {columns}: DPO needs preference pairs, columns 'prompt', 'chosen' and 'rejected'"
     )
@@ -86,18 +86,18 @@ def make_trainer(
 ) -> Trainer:
     """A TRL DPOTrainer over ``dataset`` with ``callbacks``; the reference model is TRL's default (a copy
     of ``model``, or ``model`` with its adapters disabled under ``--lora``)."""
-    import _common
+    import _loading
     from trl import DPOConfig, DPOTrainer
 
-    config = DPOConfig(**_common.training_kwargs(args, output_dir), max_length=args.seq_len, beta=args.beta)
+    config = DPOConfig(**_loading.training_kwargs(args, output_dir), max_length=args.seq_len, beta=args.beta)
     if not args.lora:
-        _common.make_loadable(model, output_dir)
+        _loading.make_loadable(model, output_dir)
     return DPOTrainer(
         model=model,
         args=config,
         train_dataset=dataset,
         processing_class=tokenizer,
-        peft_config=_common.lora_config(args) if args.lora else None,
+        peft_config=_loading.lora_config(args) if args.lora else None,
         callbacks=callbacks,
     )
 
@@ -113,11 +113,11 @@ def main(argv: list[str] | None = None) -> int:
     if not args.beta > 0:
         parser.error("--beta must be > 0")
 
-    import _common
+    import _running
 
     metrics = ("rewards/accuracies", "rewards/margins", "logps/chosen", "logits/chosen", "mean_token_accuracy")
-    recipe = _common.Recipe("dpo", "TRL head", prepare_dataset, make_trainer, metrics=metrics)
-    return _common.run_recipe(recipe, args)
+    recipe = _running.Recipe("dpo", "TRL head", prepare_dataset, make_trainer, metrics=metrics)
+    return _running.run_recipe(recipe, args)
 
 
 if __name__ == "__main__":

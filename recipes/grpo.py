@@ -82,9 +82,9 @@ def prepare_dataset(
     built from the shipped conversations."""
     columns = dataset.column_names
     if args.dataset is None and "messages" in columns:
-        import _common
+        import _loading
 
-        return _common.first_examples(prompts_and_answers(dataset), args.max_examples)
+        return _loading.first_examples(prompts_and_answers(dataset), args.max_examples)
     missing = [c for c in (args.prompt_column, args.answer_column) if c not in columns]
     if missing:
         raise SystemExit(
@@ -105,27 +105,27 @@ def make_trainer(
     output_dir: Path,
 ) -> Trainer:
     """A TRL GRPOTrainer over ``dataset`` with ``callbacks`` and the answer-overlap reward."""
-    import _common
+    import _loading
     from trl import GRPOConfig, GRPOTrainer
 
     # GRPO's batches hold prompts, not ``input_ids``: the Trainer's token count would warn at every step that
     # it cannot count them; the recipe counts the tokens GRPO trains on from TRL's own ``num_tokens`` instead.
     config = GRPOConfig(
-        **{**_common.training_kwargs(args, output_dir), "include_num_input_tokens_seen": "no"},
+        **{**_loading.training_kwargs(args, output_dir), "include_num_input_tokens_seen": "no"},
         num_generations=args.num_generations,
         max_completion_length=args.max_completion_length,
         beta=args.beta,
         temperature=args.temperature,
     )
     if args.beta > 0 and not args.lora:
-        _common.make_loadable(model, output_dir)
+        _loading.make_loadable(model, output_dir)
     return GRPOTrainer(
         model=model,
         reward_funcs=answer_overlap_reward,
         args=config,
         train_dataset=dataset,
         processing_class=tokenizer,
-        peft_config=_common.lora_config(args) if args.lora else None,
+        peft_config=_loading.lora_config(args) if args.lora else None,
         callbacks=callbacks,
     )
 
@@ -155,11 +155,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.max_completion_length < 1 or args.beta < 0 or not args.temperature > 0:
         parser.error("--max-completion-length must be >= 1, --beta >= 0 and --temperature > 0")
 
-    import _common
+    import _running
 
     metrics = ("reward", "reward_std", "kl", "entropy", "completions/mean_length")
-    recipe = _common.Recipe("grpo", "TRL head", prepare_dataset, make_trainer, metrics=metrics)
-    return _common.run_recipe(recipe, args)
+    recipe = _running.Recipe("grpo", "TRL head", prepare_dataset, make_trainer, metrics=metrics)
+    return _running.run_recipe(recipe, args)
 
 
 if __name__ == "__main__":

@@ -60,11 +60,11 @@ def make_trainer(
     output_dir: Path,
 ) -> Trainer:
     """A TRL SFTTrainer over ``dataset`` with ``callbacks`` (the fused-loss callback among them, or not)."""
-    import _common
+    import _loading
     from trl import SFTConfig, SFTTrainer
 
     config = SFTConfig(
-        **_common.training_kwargs(args, output_dir),
+        **_loading.training_kwargs(args, output_dir),
         max_length=args.seq_len,
         dataset_text_field=args.text_column,
         packing=False,
@@ -74,7 +74,7 @@ def make_trainer(
         args=config,
         train_dataset=dataset,
         processing_class=tokenizer,
-        peft_config=_common.lora_config(args) if args.lora else None,
+        peft_config=_loading.lora_config(args) if args.lora else None,
         callbacks=callbacks,
     )
 
@@ -92,10 +92,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     check_args(parser, args)
 
-    import _common
+    import _running
 
-    recipe = _common.Recipe("sft", baseline_label(), prepare_dataset, make_trainer)
-    return _common.run_recipe(recipe, args)
+    recipe = _running.Recipe("sft", baseline_label(), prepare_dataset, make_trainer)
+    return _running.run_recipe(recipe, args)
 
 
 if __name__ == "__main__":

@@ -67,16 +67,16 @@ def make_trainer(
     output_dir: Path,
 ) -> Trainer:
     """A transformers Trainer over the token blocks with ``callbacks`` (the fused-loss callback among them, or not)."""
-    import _common
+    import _loading
     from transformers import DataCollatorForLanguageModeling, Trainer, TrainingArguments
 
     if args.lora:
         from peft import get_peft_model
 
-        model = get_peft_model(model, _common.lora_config(args))
+        model = get_peft_model(model, _loading.lora_config(args))
     return Trainer(
         model=model,
-        args=TrainingArguments(**_common.training_kwargs(args, output_dir)),
+        args=TrainingArguments(**_loading.training_kwargs(args, output_dir)),
         train_dataset=dataset,
         data_collator=DataCollatorForLanguageModeling(tokenizer, mlm=False),
         processing_class=tokenizer,
@@ -91,10 +91,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     check_args(parser, args)
 
-    import _common
+    import _running
 
-    recipe = _common.Recipe("train", "unpatched", prepare_dataset, make_trainer)
-    return _common.run_recipe(recipe, args)
+    recipe = _running.Recipe("train", "unpatched", prepare_dataset, make_trainer)
+    return _running.run_recipe(recipe, args)
 
 
 if __name__ == "__main__":

@@ -31,7 +31,7 @@ def build_models(workdir: Path) -> dict[str, Path]:
     from transformers import AutoModelForCausalLM, Gemma2Config, LlamaConfig
 
     sys.path.insert(0, str(REPO / "recipes"))
-    from _common import build_embedded_tokenizer
+    from _loading import build_embedded_tokenizer
 
     tokenizer = build_embedded_tokenizer()
     common = dict(

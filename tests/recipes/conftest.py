@@ -1,4 +1,4 @@
-"""The recipes are scripts, not a package: make ``import sft`` / ``import train`` / ``import _common`` work."""
+"""The recipes are scripts, not a package: make ``import sft`` / ``import train`` / ``import _running`` work."""
 
 import sys
 from pathlib import Path

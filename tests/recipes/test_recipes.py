@@ -131,7 +131,7 @@ def test_shipped_data_matches_its_generator() -> None:
 def test_cpu_peak_memory_counts_live_tensors_only() -> None:
     """The CPU tracker sees fresh tensors until they are freed, and ignores views and in-place writes."""
     import torch
-    from _common import MIB, LiveTensorBytes
+    from _measuring import MIB, LiveTensorBytes
 
     with LiveTensorBytes(baseline=MIB) as tracker:
         a = torch.ones(MIB // 4)  # 1 MiB of fp32
@@ -147,7 +147,7 @@ def test_cpu_peak_memory_counts_live_tensors_only() -> None:
 
 
 def _run_result(name: str, step_seconds: list[float], tokens: int = 1000):
-    from _common import RunResult
+    from _measuring import RunResult
 
     steps = len(step_seconds)
     return RunResult(name, [1.0] * steps, step_seconds, [tokens] * steps, None, "n/a")
@@ -156,7 +156,8 @@ def _run_result(name: str, step_seconds: list[float], tokens: int = 1000):
 def test_speed_is_reported_from_medians_not_means() -> None:
     """A few slow steps (a busy machine) make the fused run's mean step slower; the medians, which the
     table's change and the speed line report, say it is 30% faster. The first two steps (warm-up) are left out."""
-    from _common import Spread, format_table, warmup_steps
+    from _measuring import Spread, warmup_steps
+    from _reporting import format_table
 
     assert [warmup_steps(n) for n in (1, 2, 9, 10, 60)] == [0, 1, 1, 2, 2]
     baseline = _run_result("baseline", [9.0, 9.0] + [1.0] * 18)
@@ -185,7 +186,7 @@ def test_compare_plot_shows_loss_speed_and_memory(tmp_path: Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from _common import plot_comparison
+    from _reporting import plot_comparison
 
     baseline = _run_result("baseline", [5.0, 1.0, 1.1, 0.9, 1.0])
     fused = _run_result("lce_patch", [5.0, 0.8, 0.7, 0.9, 0.8])
@@ -215,7 +216,7 @@ def test_repeated_warnings_show_once_and_only_inside_the_recipe() -> None:
     import logging
     import warnings
 
-    from _common import warnings_once
+    from _running import warnings_once
     from transformers.utils import logging as hf_logging
 
     logger = hf_logging.get_logger("transformers.trainer")
