@@ -191,7 +191,7 @@ def options_from(cfg: Any) -> dict[str, Any]:
 def patched_line(model: Any) -> str:
     """The one line logged once ``model`` is patched: the model, and the options the plugin sets, as in force."""
     from lce_patch.models import unwrap_causal_lm
-    from lce_patch.models.forward import OPTIONS_ATTR
+    from lce_patch.models.options import OPTIONS_ATTR
 
     inner = unwrap_causal_lm(model)
     opts = getattr(inner, OPTIONS_ATTR)

@@ -1,13 +1,16 @@
 """Patching Hugging Face causal LMs so that training computes the loss without materializing the logits.
 
-``apply_fused_lce(model)`` wraps the model's own ``forward`` (per instance, or per class for a
-``model_type`` string) so that, in training, its LM head computes the fused loss and its
-``loss_function`` returns it (``forward.py``, ``head.py``); the registry (``registry.py``) derives each
-architecture's logit transform; ``revert_fused_lce`` undoes it.
+``apply_fused_lce(model)`` (``patch.py``) checks its options (``options.py``) and wraps the model's own
+``forward`` (per instance, or per class for a ``model_type`` string) so that, in training, its LM head computes
+the fused loss and its ``loss_function`` returns it (``forward.py``, ``head.py``, with PEFT adapters on the head
+resolved by ``adapters.py``), or runs unfused where it cannot stand in (``fallback.py``); the registry
+(``registry.py``) derives each architecture's logit transform; ``revert_fused_lce`` undoes it.
 """
 
-from .forward import LCEOptions, loss_only
-from .head import head_call, resolve_head_module, unwrap_causal_lm
+from .adapters import resolve_head_module, unwrap_causal_lm
+from .forward import loss_only
+from .head import head_call
+from .options import LCEOptions
 from .patch import apply_fused_lce, get_head_config, is_patched, revert_fused_lce
 from .registry import REGISTRY, UNSUPPORTED, ArchSpec, HeadConfig, supported_architectures
 

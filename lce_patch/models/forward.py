@@ -19,7 +19,7 @@ returns them, unless the caller says it needs the loss only (``return_logits_in_
 loss-only evaluation steps). Every other call (no ``labels``, ``logits_to_keep``) is the original forward.
 
 Where the fused loss cannot stand in for what the user set up on the model, a call runs the original,
-unfused forward and warns once per model, saying why (:func:`unfused_reason`): a custom
+unfused forward and warns once per model, saying why (``fallback.py``'s :func:`unfused_reason`): a custom
 ``loss_function``, a forward hook on the LM head or on the model's output, or, under a class patch, a
 subclass that overrides ``forward``.
 """
@@ -27,71 +27,27 @@ subclass that overrides ``forward``.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import inspect
 import threading
-import warnings
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from ..ops.linear_cross_entropy.functional import fused_linear_cross_entropy, start_valid_token_count
 from ..ops.linear_cross_entropy.vocab_parallel import is_dtensor
-from .head import SLOT_ATTR, JobSlot, head_leaves, install_interceptor, resolve_head_module
+from .adapters import resolve_head_module
+from .fallback import unfused_reason, warn_unfused
+from .head import SLOT_ATTR, JobSlot, install_interceptor
+from .options import OPTIONS_ATTR, LCEOptions
 from .registry import HeadConfig
 
 # Marks a patched forward; holds the forward it replaced.
 ORIGINAL_ATTR = "__lce_patch_original__"
-# Instance attributes written by apply_fused_lce.
-OPTIONS_ATTR = "_lce_patch_options"
+# Instance attributes written by apply_fused_lce (OPTIONS_ATTR, in options.py, holds its LCEOptions).
 SPEC_ATTR = "_lce_patch_spec"
 PREVIOUS_FORWARD_ATTR = "_lce_patch_previous_forward"
-
-_BACKENDS = ("auto", "triton", "torch")
-
-
-@dataclass(frozen=True)
-class LCEOptions:
-    """Options of a patched model (stored on the model instance, or on the class for a class patch)."""
-
-    ignore_index: int = -100
-    label_smoothing: float = 0.0
-    z_loss: float = 0.0
-    backend: str = "auto"
-    chunk_size: int | None = None
-    deterministic: bool = False
-    skip_ignored: bool = True
-    # None: evaluation returns the logits like the unpatched model, except where the caller needs the
-    # loss only (``loss_only()``, ``skip_logits=True``); False: never; True: always
-    return_logits_in_eval: bool | None = None
-    allow_unregistered: bool = False
-
-    def __post_init__(self) -> None:
-        if self.backend not in _BACKENDS:
-            raise ValueError(f"lce_patch: unknown backend {self.backend!r}; expected one of {_BACKENDS}")
-        if not 0.0 <= self.label_smoothing <= 1.0:
-            raise ValueError(f"lce_patch: label_smoothing must be in [0, 1], got {self.label_smoothing}")
-        if self.z_loss < 0:
-            raise ValueError(f"lce_patch: z_loss must be >= 0, got {self.z_loss}")
-        if self.chunk_size is not None and (
-            isinstance(self.chunk_size, bool) or not isinstance(self.chunk_size, int) or self.chunk_size < 1
-        ):
-            raise ValueError(f"lce_patch: chunk_size must be a positive int, got {self.chunk_size!r}")
-        if self.return_logits_in_eval not in (None, True, False):
-            raise ValueError(
-                f"lce_patch: return_logits_in_eval must be None, True or False, got {self.return_logits_in_eval!r}"
-            )
-
-    @classmethod
-    def from_kwargs(cls, options: dict[str, Any]) -> LCEOptions:
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(options) - names)
-        if unknown:
-            raise TypeError(f"lce_patch: unknown option(s) {unknown}; valid options: {sorted(names)}")
-        return cls(**options)
 
 
 def unpatched(forward: Any) -> Any:
@@ -286,94 +242,6 @@ def _user_loss_function(model: torch.nn.Module) -> Any:
     return current.previous if isinstance(current, LossFunctionStandIn) else current
 
 
-# --- When the fused loss cannot stand in for the model's own --------------------------------------------
-
-# Packages whose forward hooks (on the head or the model) only gather, place or record tensors (FSDP,
-# ZeRO-3, accelerate, transformers' output capture, PEFT): they never change the logits the loss sees.
-_TRUSTED_HOOK_PACKAGES = frozenset({"torch", "deepspeed", "accelerate", "transformers", "peft", "trl", "lce_patch"})
-
-
-def _hook_package(hook: Any) -> str:
-    while isinstance(hook, functools.partial):
-        hook = hook.func
-    hook = getattr(hook, "__func__", hook)
-    module = getattr(hook, "__module__", None) or type(hook).__module__ or ""
-    return module.split(".")[0]
-
-
-def _user_hooks(module: torch.nn.Module, backward: bool = False) -> list[Any]:
-    """The forward (post-)hooks on ``module``, its own and the global ones, that no trusted package put there;
-    with ``backward``, its (and the global) module backward hooks too."""
-    from torch.nn.modules import module as module_module
-
-    hooks = [*module._forward_hooks.values(), *module_module._global_forward_hooks.values()]
-    if backward:
-        hooks += [
-            *module._backward_hooks.values(),
-            *module._backward_pre_hooks.values(),
-            *module_module._global_backward_hooks.values(),
-            *module_module._global_backward_pre_hooks.values(),
-        ]
-    return [hook for hook in hooks if _hook_package(hook) not in _TRUSTED_HOOK_PACKAGES]
-
-
-def _hook_name(hook: Any) -> str:
-    return getattr(hook, "__qualname__", None) or type(hook).__qualname__
-
-
-def unfused_reason(model: torch.nn.Module, patched_forward: Any, want_logits: bool) -> str | None:
-    """Why this call must run the model's own forward instead of the fused loss (None: it need not).
-
-    ``patched_forward`` is the function the call entered (a class patch's, reached from ``type(model)``).
-    """
-    if OPTIONS_ATTR not in model.__dict__ and type(model).forward is not patched_forward:
-        return (
-            f"{type(model).__name__} overrides forward, and lce_patch patched its parent class "
-            f"{unpatched(patched_forward).__qualname__.split('.')[0]} by model_type: it cannot tell whether that "
-            "forward reads the logits. Patch the instance (apply_fused_lce(model, allow_unregistered=True) checks "
-            "its loss and gradients first) or revert_fused_lce(model_type)"
-        )
-    user_loss = _user_loss_function(model)
-    if user_loss is not None:
-        from transformers.loss.loss_utils import LOSS_MAPPING
-
-        if user_loss is not LOSS_MAPPING["ForCausalLM"]:
-            return (
-                f"{type(model).__name__} has a custom loss_function ({_hook_name(user_loss)}), which the fused "
-                "cross-entropy cannot compute. Remove it (the fused loss is Hugging Face's causal-LM loss), or "
-                "revert_fused_lce(model)"
-            )
-    for leaf in head_leaves(model.get_output_embeddings()):
-        hooks = _user_hooks(leaf, backward=True)
-        if hooks:
-            return (
-                f"a hook ({_hook_name(hooks[0])}) on {type(model).__name__}'s LM head could read or change the "
-                "logits or their gradient, which the fused loss never builds. Remove the hook, or "
-                "revert_fused_lce(model)"
-            )
-    if not want_logits:
-        hooks = _user_hooks(model)
-        if hooks:
-            return (
-                f"a forward hook ({_hook_name(hooks[0])}) on {type(model).__name__} could read its output's "
-                "logits, which the fused loss does not return. Remove the hook, or revert_fused_lce(model)"
-            )
-    return None
-
-
-def _warn_unfused(model: torch.nn.Module, reason: str) -> None:
-    """Warn once per model and reason that its calls run unfused."""
-    slot = ensure_slot(model)
-    if reason in slot.warned:
-        return
-    slot.warned.add(reason)
-    warnings.warn(
-        f"lce_patch: {reason}. Until then, {type(model).__name__}'s calls with labels run its own forward, which "
-        "builds the full [tokens x vocabulary] logits and their gradient (the memory the fused loss saves).",
-        stacklevel=4,
-    )
-
-
 # --- Whether an evaluation call returns the logits --------------------------------------------------------
 
 _EVAL_STATE = threading.local()
@@ -436,9 +304,9 @@ def make_forward(original: Any, head_config_of: Any) -> Any:
         if not fuse:
             return call_original(**kwargs)
         want_logits = _wants_logits(self, options, skip_logits)
-        reason = unfused_reason(self, forward, want_logits)
+        reason = unfused_reason(self, forward, want_logits, _user_loss_function(self))
         if reason is not None:
-            _warn_unfused(self, reason)
+            warn_unfused(self, ensure_slot(self), reason)
             return call_original(**kwargs)
         slot = ensure_slot(self)
         if slot.job is not None:

@@ -11,26 +11,18 @@ from typing import Any
 
 import torch
 
+from .adapters import head_leaves, lora_linear_class, peft_classes, resolve_head_module, unwrap_causal_lm
 from .forward import (
-    OPTIONS_ATTR,
     PREVIOUS_FORWARD_ATTR,
     SPEC_ATTR,
     BoundForward,
-    LCEOptions,
     LossFunctionStandIn,
     ensure_slot,
     make_forward,
     unpatched,
 )
-from .head import (
-    SLOT_ATTR,
-    _lora_linear_class,
-    _peft_classes,
-    head_leaves,
-    remove_interceptor,
-    resolve_head_module,
-    unwrap_causal_lm,
-)
+from .head import SLOT_ATTR, remove_interceptor
+from .options import OPTIONS_ATTR, LCEOptions
 from .registry import REGISTRY, UNSUPPORTED, ArchSpec, HeadConfig, derived_spec
 
 _MISSING = object()
@@ -90,10 +82,10 @@ def _plain_linear_head(model: torch.nn.Module) -> bool:
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if not isinstance(head, torch.nn.Module):
         return False
-    _, trainable_tokens, _ = _peft_classes()
+    _, trainable_tokens, _ = peft_classes()
     if trainable_tokens and isinstance(head, trainable_tokens):
         return True
-    lora_linear = _lora_linear_class()
+    lora_linear = lora_linear_class()
 
     def plain(leaf: torch.nn.Module) -> bool:
         if lora_linear is not None and isinstance(leaf, lora_linear):

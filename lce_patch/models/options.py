@@ -1,0 +1,58 @@
+"""The options of a patched model (:class:`LCEOptions`), checked when ``apply_fused_lce`` is called, and the
+attribute that holds them on the model (or on its class, for a class patch).
+
+Most options are passed on to the op, which checks them again on every call: here they are checked once, up
+front, with the op's own rules (its backends, its number checks), so that a bad option fails at
+``apply_fused_lce`` (and at ``FusedLCECallback(...)``) rather than at the first training step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from ..ops.core.backend import BACKENDS
+from ..ops.core.checks import check_int, check_real, fail
+
+# Where apply_fused_lce stores the LCEOptions: on the instance, or on the class for a class patch.
+OPTIONS_ATTR = "_lce_patch_options"
+
+_WHO = "lce_patch"  # the prefix of this module's error messages
+
+
+@dataclass(frozen=True)
+class LCEOptions:
+    """Options of a patched model (stored on the model instance, or on the class for a class patch)."""
+
+    ignore_index: int = -100
+    label_smoothing: float = 0.0
+    z_loss: float = 0.0
+    backend: str = "auto"
+    chunk_size: int | None = None
+    deterministic: bool = False
+    skip_ignored: bool = True
+    # None: evaluation returns the logits like the unpatched model, except where the caller needs the
+    # loss only (``loss_only()``, ``skip_logits=True``); False: never; True: always
+    return_logits_in_eval: bool | None = None
+    allow_unregistered: bool = False
+
+    def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            fail(f"unknown backend {self.backend!r}; expected one of {BACKENDS}", _WHO)
+        check_real("label_smoothing", self.label_smoothing, minimum=0.0, maximum=1.0, op_name=_WHO)
+        check_real("z_loss", self.z_loss, minimum=0.0, op_name=_WHO)
+        check_int("chunk_size", self.chunk_size, minimum=1, allow_none=True, op_name=_WHO)
+        # not the op's: the patched forward reads it
+        if self.return_logits_in_eval not in (None, True, False):
+            raise ValueError(
+                f"lce_patch: return_logits_in_eval must be None, True or False, got {self.return_logits_in_eval!r}"
+            )
+
+    @classmethod
+    def from_kwargs(cls, options: dict[str, Any]) -> LCEOptions:
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(options) - names)
+        if unknown:
+            raise TypeError(f"lce_patch: unknown option(s) {unknown}; valid options: {sorted(names)}")
+        return cls(**options)
