@@ -1,4 +1,4 @@
-"""Shared helpers for ``bench_lce.py`` and ``gpu_check.py``: inputs, the fp32 reference, errors, versions.
+"""Shared helpers for ``bench_lce.py`` and ``checks/gpu_check.py``: inputs, the fp32 reference, errors, versions.
 
 Nothing here touches CUDA at import time; every function takes the device from its arguments.
 

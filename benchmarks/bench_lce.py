@@ -34,7 +34,7 @@ Peers on the GPU machine (no registry there), from the repository root (wheels i
     PYTHONUNBUFFERED=1 python3 benchmarks/bench_lce.py            # all shapes, both data kinds
     python3 benchmarks/bench_lce.py --quick                       # llama3-8b + gemma2-2b, peaked
 The JSON names the commit from git; on a copy whose .git is not the checkout's (the GPU machine's), set
-LCE_BENCH_COMMIT=<commit> to record it (gpu_check.py does the same).
+LCE_BENCH_COMMIT=<commit> to record it (checks/gpu_check.py does the same).
 TRL's backward imports trl.trainer.utils (needs `datasets`); if that import fails, a stand-in module
 provides the one name it uses (a ZeRO-3 gather context, a no-op on one GPU); the JSON records which.
 Output: a markdown table per shape on stdout, JSON to --out (default $OUT/bench.json when OUT is set),

@@ -1,4 +1,5 @@
-"""The benchmark scripts run: each answers --help, and the two with a CPU mode run a tiny case.
+"""The benchmark and check scripts run (benchmarks/, benchmarks/checks/): each answers --help, and those with a CPU
+mode run a tiny case.
 
 Their real runs need a GPU (see benchmarks/RESULTS.md); this keeps them from rotting between runs.
 """
@@ -17,12 +18,12 @@ BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 SCRIPTS = [
     "bench_lce.py",
     "bench_trl.py",
-    "gpu_check.py",
+    "checks/gpu_check.py",
     "e2e_train.py",
-    "convergence.py",
-    "multi_gpu_check.py",
-    "tp_check.py",
-    "qlora_check.py",
+    "checks/convergence.py",
+    "checks/multi_gpu_check.py",
+    "checks/tp_check.py",
+    "checks/qlora_check.py",
     "axolotl_bench.py",
     "bench_divergence.py",
     "distill_e2e.py",
@@ -33,7 +34,7 @@ SCRIPTS = [
     "research/schedule_bound.py",
     "research/probe_weight_grad.py",
     "research/ab_setting.py",
-    "sanitize.py",
+    "checks/sanitize.py",
 ]
 # DeepSpeed for the ZeRO checks on CPU, installed apart from the test environment (.ci/run puts it here):
 # importing it changes what transformers and accelerate do elsewhere, so only the launched check sees it.
@@ -59,7 +60,7 @@ def test_help(script, tmp_path):
 
 def test_multi_gpu_check_single_process(tmp_path):
     # One process: patched vs unpatched on the whole batch, the same checks the 2-GPU run makes.
-    result = _run(["multi_gpu_check.py", "--steps", "2", "--out", str(tmp_path)], tmp_path)
+    result = _run(["checks/multi_gpu_check.py", "--steps", "2", "--out", str(tmp_path)], tmp_path)
     assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
     assert "FAIL" not in result.stdout
     assert list(tmp_path.glob("multi_gpu_check_*.json"))
@@ -74,7 +75,7 @@ def test_multi_gpu_check_deepspeed_zero_on_cpu(stage, arch, tmp_path):
     # Two processes over gloo with DeepSpeed's CPU accelerator: losses, parameters and updates equal to one
     # process, the head weight whole inside lm_head's call, a rank with no valid label at step 2.
     config = BENCHMARKS.parent / "recipes" / "accelerate" / f"zero{stage}.yaml"
-    args = ["-m", "accelerate.commands.launch", "--config_file", str(config), "multi_gpu_check.py"]
+    args = ["-m", "accelerate.commands.launch", "--config_file", str(config), "checks/multi_gpu_check.py"]
     args += ["--arch", arch, "--steps", "3", "--seq-len", "32", "--hidden", "64", "--vocab", "512"]
     env_extra = {"PYTHONPATH": f"{BENCHMARKS.parent}{os.pathsep}{DEEPSPEED_SITE}", "DS_ACCELERATOR": "cpu"}
     result = _run(args, tmp_path, env_extra=env_extra)
@@ -91,7 +92,7 @@ def test_tp_check_on_cpu(part, arch, tmp_path):
 
     def launch_check() -> subprocess.CompletedProcess:
         launch = ["-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port())]
-        return _run([*launch, "tp_check.py", "--cpu", "--part", part, "--arch", arch], tmp_path)
+        return _run([*launch, "checks/tp_check.py", "--cpu", "--part", part, "--arch", arch], tmp_path)
 
     result = launch_check()
     if result.returncode != 0 and "terminate called without an active exception" in result.stderr:
@@ -107,7 +108,9 @@ def test_tp_check_on_cpu(part, arch, tmp_path):
 
 
 def test_convergence_tiny_on_cpu(tmp_path):
-    result = _run(["convergence.py", "--device", "cpu", "--tiny", "--steps", "3", "--out", str(tmp_path)], tmp_path)
+    result = _run(
+        ["checks/convergence.py", "--device", "cpu", "--tiny", "--steps", "3", "--out", str(tmp_path)], tmp_path
+    )
     assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
     summary = json.loads((tmp_path / "convergence.json").read_text())
     assert summary  # per-run losses and the verdicts
@@ -162,7 +165,7 @@ def test_qlora_check_tiny_on_cpu(tmp_path):
     pytest.importorskip("bitsandbytes")
     pytest.importorskip("peft")
     out = tmp_path / "qlora.json"
-    result = _run(["qlora_check.py", "--tiny", "--out", str(out)], tmp_path)
+    result = _run(["checks/qlora_check.py", "--tiny", "--out", str(out)], tmp_path)
     assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
     report = json.loads(out.read_text())
     patched, unpatched = report["runs"]["patched"], report["runs"]["unpatched"]

@@ -4,7 +4,7 @@ Each case builds its inputs as *views* of contiguous base tensors (transposed, s
 expanded), runs the op on the views, and compares the loss (or the per-token outputs) and the
 gradients of the base tensors with the same views of float64 bases through the unfused reference.
 The Triton backend runs on the GPU under LCE_TEST_GPU=1, else under the CPU interpreter, in fp32 and
-fp16 (bf16 dots are broken in the interpreter; ``benchmarks/gpu_check.py`` runs the same matrix on a
+fp16 (bf16 dots are broken in the interpreter; ``benchmarks/checks/gpu_check.py`` runs the same matrix on a
 GPU in bf16 too); its views are taken on its device (devices.py). Tolerances: fp32 1e-5 (a few
 ulps times sqrt(V)); fp16 5e-3 (every logit is rounded to 11 bits, as in test_half_precision).
 """

@@ -10,9 +10,9 @@ memory of a step and the median step time.
 ``--lora-on-head`` puts LoRA on ``lm_head`` too (the fused low-rank term: the head's LoRA gradients are
 then among those compared); ``--no-quant`` loads the base in bf16 instead of nf4 (plain LoRA).
 
-    python3 benchmarks/qlora_check.py [--model llama-3.2-1b] [--seq-len 4096] [--batch 2] [--steps 6]
-    python3 benchmarks/qlora_check.py --lora-on-head [--no-quant]
-    python3 benchmarks/qlora_check.py --tiny      # a tiny model on the CPU (smoke test of the script)
+    python3 benchmarks/checks/qlora_check.py [--model llama-3.2-1b] [--seq-len 4096] [--batch 2] [--steps 6]
+    python3 benchmarks/checks/qlora_check.py --lora-on-head [--no-quant]
+    python3 benchmarks/checks/qlora_check.py --tiny      # a tiny model on the CPU (smoke test of the script)
 
 Needs peft, and bitsandbytes unless ``--no-quant``. JSON to --out (default $OUT/qlora_check.json or runs/qlora_check.json).
 """
@@ -28,7 +28,7 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))  # lce_patch from this checkout, not an installed copy
 
@@ -54,7 +54,7 @@ def _build(name: str, path: Path) -> int:
         torch.manual_seed(0)
         model = LlamaForCausalLM(LlamaConfig(**TINY)).to(torch.bfloat16)
     else:
-        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        sys.path.insert(0, str(REPO / "benchmarks"))
         from e2e_train import build_model
 
         model = build_model(name)

@@ -21,7 +21,7 @@ bf16, fp16 and fp32, and ``torch.compile(fullgraph=True)`` of a step against eag
 
 Run from the repository root on the GPU machine (needs no peer wheels; about 3-4 minutes on an H100,
 most of it Triton compilation, the fp32 references and two bad-label subprocesses):
-    PYTHONUNBUFFERED=1 python3 benchmarks/gpu_check.py [--only SUBSTR[,SUBSTR]] [--list] [--out FILE]
+    PYTHONUNBUFFERED=1 python3 benchmarks/checks/gpu_check.py [--only SUBSTR[,SUBSTR]] [--list] [--out FILE]
 Prints PASS/FAIL lines and a summary; exits 1 on any failure; JSON to --out (default $OUT/gpu_check.json).
 """
 
@@ -35,9 +35,12 @@ import re
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import torch
-from bench_common import (
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench_common, in benchmarks/
+from bench_common import (  # noqa: E402
     IGNORE,
     REPO,
     env_info,

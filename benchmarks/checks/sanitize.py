@@ -4,7 +4,7 @@ Runs the fused op forward and backward on the GPU at odd sizes (V not a multiple
 N not a multiple of the chunk, D odd), every option, every output, and the three dtypes, so that
 every kernel is launched with its masked tails. Run it under the memory checker:
 
-    compute-sanitizer --tool memcheck --error-exitcode 1 python benchmarks/sanitize.py
+    compute-sanitizer --tool memcheck --error-exitcode 1 python benchmarks/checks/sanitize.py
 
 It prints one line per case and exits 0; compute-sanitizer's exit code reports access errors.
 """

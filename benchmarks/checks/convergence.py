@@ -34,11 +34,11 @@ dropout, so the data order is the only randomness.
 On a GPU (defaults: both architectures, 300 steps of batch 8 x 512 tokens; 2.5 minutes on an H100,
 about 15 s a run):
 
-    python benchmarks/convergence.py --out runs/convergence
+    python benchmarks/checks/convergence.py --out runs/convergence
 
 CPU smoke test (tiny configs, fp32; the patched model falls back to the torch backend):
 
-    python benchmarks/convergence.py --device cpu --tiny --steps 3 --out /tmp/conv
+    python benchmarks/checks/convergence.py --device cpu --tiny --steps 3 --out /tmp/conv
 
 Writes ``convergence.json`` (every run's per-step losses and gradient norms, the summary, the
 environment) and ``convergence.png`` (loss curves, and the moving-average differences) to ``--out``
@@ -53,12 +53,15 @@ import dataclasses
 import json
 import math
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
-from bench_common import IGNORE, env_info, free  # bench_common puts this checkout's lce_patch first on sys.path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench_common, in benchmarks/
+from bench_common import IGNORE, env_info, free  # noqa: E402  (it puts this checkout's lce_patch first on sys.path)
 
 ARCHS = ("llama", "gemma2")
 REFERENCE, RERUN, PATCHED, OTHER_ORDER = "unpatched", "unpatched-rerun", "patched", "unpatched-seed1"

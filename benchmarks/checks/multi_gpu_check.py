@@ -3,11 +3,11 @@
 Run through accelerate on two GPUs (from the repository root; keep NVLink multicast off on shared hosts):
 
     NCCL_NVLS_ENABLE=0 accelerate launch --config_file recipes/accelerate/ddp.yaml \\
-        benchmarks/multi_gpu_check.py [--arch llama|gemma2] [--steps 3]
+        benchmarks/checks/multi_gpu_check.py [--arch llama|gemma2] [--steps 3]
     (likewise recipes/accelerate/fsdp2.yaml and recipes/accelerate/fsdp1.yaml)
 
-or on CPU through gloo, to debug:  accelerate launch --cpu --num_processes 2 benchmarks/multi_gpu_check.py,
-or as one plain process (``python benchmarks/multi_gpu_check.py``): then it only compares the patched model
+or on CPU through gloo, to debug:  accelerate launch --cpu --num_processes 2 benchmarks/checks/multi_gpu_check.py,
+or as one plain process (``python benchmarks/checks/multi_gpu_check.py``): then it only compares the patched model
 with the unpatched one, single-process.
 
 What it does, on every rank with the same seed:
@@ -48,7 +48,7 @@ Checks (all must hold for PASS):
     floor is the fp32 rounding of the parameters themselves, ~1e-5 relative for q/k projections whose
     updates are small next to their weights, hence the looser default.)
   * on 2+ processes the losses and parameters are checked both against the unpatched reference and
-    against ref_fused. Failing only the former points at the op's accuracy (benchmarks/gpu_check.py),
+    against ref_fused. Failing only the former points at the op's accuracy (benchmarks/checks/gpu_check.py),
     failing the latter at the distribution.
 
 Rank 0 prints a PASS/FAIL table and writes JSON to ``--out`` (a directory, default ``$OUT`` if set else
@@ -70,11 +70,12 @@ from typing import Any
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))  # lce_patch from this checkout, not an installed copy
+sys.path.insert(0, str(REPO / "benchmarks"))  # bench_common, in benchmarks/
 
-from bench_common import rel_err, set_exact_fp32  # noqa: E402  (this script's folder is on sys.path)
+from bench_common import rel_err, set_exact_fp32  # noqa: E402
 
 import lce_patch  # noqa: E402
 import lce_patch.models.forward as lce_forward  # noqa: E402
@@ -91,7 +92,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "(accelerate launch) as in one process: losses, gradients (via SGD parameters), head weight gathering.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         epilog="Launch: NCCL_NVLS_ENABLE=0 accelerate launch --config_file recipes/accelerate/fsdp2.yaml "
-        "benchmarks/multi_gpu_check.py --arch gemma2",
+        "benchmarks/checks/multi_gpu_check.py --arch gemma2",
     )
     parser.add_argument("--arch", choices=("llama", "gemma2"), default="llama", help="model family (both tied)")
     parser.add_argument("--steps", type=int, default=3, help="SGD steps")

@@ -2,8 +2,8 @@
 
 Two parts, run under torchrun (keep NVLink multicast off on shared hosts):
 
-    NCCL_NVLS_ENABLE=0 torchrun --nproc_per_node 2 benchmarks/tp_check.py --part model --arch llama
-    NCCL_NVLS_ENABLE=0 torchrun --nproc_per_node 2 benchmarks/tp_check.py --part op
+    NCCL_NVLS_ENABLE=0 torchrun --nproc_per_node 2 benchmarks/checks/tp_check.py --part model --arch llama
+    NCCL_NVLS_ENABLE=0 torchrun --nproc_per_node 2 benchmarks/checks/tp_check.py --part op
 
 ``--part op``: every rank holds a vocabulary shard of a real head (Llama-3.2-1B: D=2048, V=128256;
 Gemma-2-2B: D=2304, V=256000, softcap 30) and calls ``fused_linear_cross_entropy(..., vocab_shard=...)``
@@ -17,7 +17,7 @@ step (forward + backward) unpatched and patched on the same batch: losses and ev
 
 ``--same-device`` puts every rank on cuda:0 with the gloo backend: a check of the values on one GPU
 (its times and memory mean nothing). ``--cpu`` runs both parts on a tiny shape in fp32 on CPU processes over
-gloo (``torchrun --nproc_per_node 2 benchmarks/tp_check.py --cpu --part model``): a smoke test, run in CI.
+gloo (``torchrun --nproc_per_node 2 benchmarks/checks/tp_check.py --cpu --part model``): a smoke test, run in CI.
 
 Rank 0 prints a table and writes JSON to ``--out`` (default ``$OUT`` or runs/tp_check); exit 1 on FAIL.
 """
@@ -37,11 +37,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))  # bench_common, in benchmarks/
 
-from bench_common import rel_err, rel_l2  # noqa: E402  (this script's folder is on sys.path)
+from bench_common import rel_err, rel_l2  # noqa: E402
 
 import lce_patch  # noqa: E402
 from lce_patch import VocabShard, fused_linear_cross_entropy  # noqa: E402
