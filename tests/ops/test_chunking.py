@@ -1,0 +1,104 @@
+"""The cross-entropy op's chunking: any chunk size gives the same result, and the default chunk policy
+(folded tails, rows that fill the GPU, forward-only buffers) chooses what its measurements say.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lce_patch import fused_linear_cross_entropy
+
+from .devices import BACKENDS
+from .test_linear_cross_entropy import check_against_reference, leaf, make_inputs
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("chunk_size", [1, 5, 37, 1000])
+def test_chunk_size_does_not_change_the_result(backend, chunk_size):
+    check_against_reference({"softcap": 4.0}, backend=backend, chunk_size=chunk_size)
+
+
+def test_chunk_spans_fold_a_short_tail_only_at_the_default():
+    from lce_patch.ops.core.chunking import chunk_spans
+
+    assert chunk_spans(8200, 1024, fold_tail=True)[-2:] == ((6144, 7168), (7168, 8200))  # 8 chunks, not 9
+    assert len(chunk_spans(8200, 1024)) == 9 and chunk_spans(8200, 1024)[-1] == (8192, 8200)  # a cap as given
+    assert len(chunk_spans(8319, 1024, fold_tail=True)) == 8  # 127 rows: less than one 128-row tile
+    assert len(chunk_spans(8320, 1024, fold_tail=True)) == 9  # a whole tile: a chunk of its own
+    assert len(chunk_spans(8192, 1152, fold_tail=True)) == 8  # Qwen2.5's 7 x 1152 + 128 (its memory target)
+    assert len(chunk_spans(260, 64, fold_tail=True)) == 4  # 4 rows <= 64 / 8 (the torch backend's small chunks)
+    assert len(chunk_spans(265, 64, fold_tail=True)) == 5  # 9 rows > 64 / 8
+    assert chunk_spans(100, 1024, fold_tail=True) == ((0, 100),)
+    assert chunk_spans(0, 1024, fold_tail=True) == ()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("options", [{"softcap": 4.0}, {"reduction": "none"}])
+def test_default_chunks_with_a_folded_tail_give_the_reference_result(backend, options, monkeypatch):
+    from lce_patch.ops.core import chunking
+    from lce_patch.ops.linear_cross_entropy import chunked
+
+    seen = []
+    real = chunking.resolve_chunks
+    monkeypatch.setattr(chunking, "default_chunk_rows", lambda *args, **kwargs: 16)
+    monkeypatch.setattr(chunked, "resolve_chunks", lambda *args: seen.append(real(*args)) or seen[-1])
+    check_against_reference(options, backend=backend, chunk_size=None, size={"n": 33})
+    assert seen and all(chunks == ((0, 16), (16, 33)) for chunks in seen)  # 1 row folded into the last chunk
+
+
+def test_default_chunk_rows_fill_the_gpu_for_thin_hidden_sizes():
+    from lce_patch.ops.core.chunking import default_chunk_rows
+
+    def rows(num_rows, hidden_size, vocab_size, num_sms=132):
+        return default_chunk_rows(num_rows, vocab_size, torch.bfloat16, True, hidden_size, num_sms)
+
+    # H100 (132 SMs): Gemma-2 (D = 2304) gets 1792-row chunks (7022 rows: 4 chunks), Qwen2.5 (D = 3584)
+    # 1152, Llama-3 the 1024-row floor; chunks are whole multiples of 128 rows.
+    assert rows(7022, 2304, 256000) == 1792
+    assert rows(8192, 2304, 256000) == 1792  # not 5 x 1664 (even, but 117 dh tiles for 132 SMs)
+    assert rows(8192, 3584, 152064) == 1152  # 7 x 1152 + 128, not 8 x 1024
+    assert rows(7022, 3584, 152064) == 1152
+    assert rows(7022, 4096, 128256) == 1024
+    assert rows(8192, 4096, 128256) == 1024
+    assert rows(2100, 3584, 152064) == 1152  # above the fill rows chunks are still made even (2 x 1152)
+    assert rows(2100, 4096, 128256) == 768  # D >= 4096: 3 even chunks, as before (no thin-D fill rows)
+    assert rows(1000, 2304, 256000) == 1000  # never more rows than there are
+    assert rows(7022, 2304, 256000, num_sms=None) == 1024  # unknown GPU: the 1024-row floor only
+    assert rows(70001, 4096, 128256) == 4608  # at most 16 bf16 roundings of dW: 16 chunks, of 256-row multiples
+    assert rows(112347, 2304, 256000) == 7168  # not 7040 (55 x 128), which cuBLAS runs slowly on Gemma-2's head
+    assert rows(131072, 4096, 128256) == 8192
+    assert default_chunk_rows(7022, 256000, torch.bfloat16, False, 2304, 132) < 1024  # torch backend: budget
+
+
+@pytest.mark.parametrize(
+    ("num_rows", "hidden_size", "vocab_size"),
+    [(7022, 4096, 128256), (7022, 2304, 256000), (3511, 4096, 128256), (14043, 3584, 152064), (500, 64, 1000)],
+)
+def test_forward_only_chunks_use_the_bytes_of_the_missing_dw_and_no_more(num_rows, hidden_size, vocab_size):
+    from lce_patch.ops.core.chunking import default_chunk_rows
+
+    weight_bytes = vocab_size * hidden_size * 2
+    train = default_chunk_rows(num_rows, vocab_size, torch.bfloat16, True, hidden_size, 132)
+    evaluate = default_chunk_rows(num_rows, vocab_size, torch.bfloat16, True, hidden_size, 132, weight_bytes)
+    bytes_per_row = vocab_size * 2
+    assert evaluate >= train
+    assert evaluate * bytes_per_row <= train * bytes_per_row + weight_bytes  # never above a training step
+    assert evaluate == num_rows or -(-num_rows // evaluate) < -(-num_rows // train)  # fewer chunks
+    assert evaluate == num_rows or evaluate % 128 == 0
+
+
+def test_forward_only_default_chunk_counts_the_dw_only_of_a_trainable_weight(monkeypatch):
+    from lce_patch.ops.core import chunking
+
+    seen = []
+    real = chunking.default_chunk_rows
+    monkeypatch.setattr(chunking, "default_chunk_rows", lambda *a, **k: seen.append(k["spare_bytes"]) or real(*a, **k))
+    hidden, weight, labels, _ = make_inputs()
+    h = leaf(hidden, torch.float32)
+    for trainable in (True, False):
+        w = leaf(weight, torch.float32, requires_grad=trainable)
+        with torch.no_grad():
+            fused_linear_cross_entropy(h, w, labels, backend="torch")
+        fused_linear_cross_entropy(h, w, labels, backend="torch").backward()
+    assert seen == [weight.numel() * 4, 0, 0, 0]
