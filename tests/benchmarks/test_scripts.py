@@ -58,6 +58,7 @@ def test_help(script, tmp_path):
     assert "usage:" in result.stdout
 
 
+@pytest.mark.slow
 def test_multi_gpu_check_single_process(tmp_path):
     # One process: patched vs unpatched on the whole batch, the same checks the 2-GPU run makes.
     result = _run(["checks/multi_gpu_check.py", "--steps", "2", "--out", str(tmp_path)], tmp_path)
@@ -66,6 +67,7 @@ def test_multi_gpu_check_single_process(tmp_path):
     assert list(tmp_path.glob("multi_gpu_check_*.json"))
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(
     not (DEEPSPEED_SITE / "deepspeed").is_dir(),
     reason=f"DeepSpeed not installed in {DEEPSPEED_SITE} (.ci/run installs it there)",
@@ -84,6 +86,7 @@ def test_multi_gpu_check_deepspeed_zero_on_cpu(stage, arch, tmp_path):
     assert "FAIL" not in result.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("part,arch", [("op", "gemma2"), ("model", "llama"), ("model", "gemma2")])
 def test_tp_check_on_cpu(part, arch, tmp_path):
     # The tensor-parallel check's two parts on two CPU processes (gloo, tiny shapes, fp32), so that the
@@ -107,6 +110,7 @@ def test_tp_check_on_cpu(part, arch, tmp_path):
     assert report["ok"] and len(report["ranks"]) == 2
 
 
+@pytest.mark.slow
 def test_convergence_tiny_on_cpu(tmp_path):
     result = _run(
         ["checks/convergence.py", "--device", "cpu", "--tiny", "--steps", "3", "--out", str(tmp_path)], tmp_path
@@ -139,6 +143,7 @@ def test_bench_divergence_tiny_on_cpu(tmp_path):
         assert losses["trl"] == pytest.approx(losses["unfused"], rel=1e-5), row
 
 
+@pytest.mark.slow
 def test_distill_e2e_tiny_on_cpu(tmp_path):
     # TRL's DistillationTrainer with tiny models, TRL's kernel then lce_patch: the same losses
     pytest.importorskip("trl")

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # the real axolotl, in its own environment: about two minutes
+
 REPO = Path(__file__).resolve().parents[2]
 RUNS = Path(__file__).with_name("axolotl_runs.py")
 TRAIN_STEPS, GRAD_ACCUM = 3, 2

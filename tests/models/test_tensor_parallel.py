@@ -20,6 +20,8 @@ from tests.models.tiny import tiny_model
 from tests.multiprocess import run_ranks
 from tests.ops.test_linear_cross_entropy import rel_err
 
+pytestmark = pytest.mark.slow  # launched process groups
+
 # Odd vocabulary: uneven shards (64 + 63 rows). Both tie the head to the embedding.
 ARCHS = {
     "llama": dict(vocab_size=127, tie_word_embeddings=True),

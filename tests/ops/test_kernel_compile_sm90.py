@@ -23,6 +23,7 @@ from lce_patch.ops.core import backend
 from lce_patch.ops.linear_cross_entropy import rows
 
 triton = pytest.importorskip("triton")
+pytestmark = pytest.mark.slow  # compiles every kernel variant in a subprocess
 if os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("records launches under the CPU interpreter", allow_module_level=True)
 

@@ -366,6 +366,7 @@ def test_half_precision(backend):
         check_against_reference({}, backend=backend, dtype=torch.bfloat16, tol=3e-2)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("softcap", [None, 30.0])
 def test_bf16_loss_is_not_limited_by_the_rounding_of_the_logits(backend, softcap):

@@ -10,6 +10,10 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
+pytestmark = pytest.mark.slow  # a large subprocess run
+
 SCRIPT = textwrap.dedent(
     """
     import json, resource, torch

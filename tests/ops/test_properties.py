@@ -39,6 +39,7 @@ def problems(draw):
     return n, d, v, label_pattern, options, draw(st.integers(0, 2**31 - 1)), draw(st.integers(1, 16))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])

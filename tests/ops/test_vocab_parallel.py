@@ -83,6 +83,7 @@ def _op_cases(rank, world_size, backend):
         _run_case(*CASES[2], backend, torch.float64, rank, world_size, 8)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_vocab_shards_equal_one_process(world_size, backend):

@@ -21,6 +21,8 @@ import pytest
 
 from .conftest import RECIPES_DIR
 
+pytestmark = pytest.mark.slow  # DeepSpeed launches
+
 REPO = RECIPES_DIR.parent
 DEEPSPEED_SITE = Path(os.environ.get("LCE_TEST_DEEPSPEED_SITE", REPO / ".ci-deps" / "deepspeed"))
 # test_recipes.TINY with two micro-batches of 4 per optimizer step.
