@@ -1,8 +1,8 @@
 """The options of a patched model (:class:`LCEOptions`), checked when ``apply_fused_lce`` is called, and the
 attribute that holds them on the model (or on its class, for a class patch).
 
-Most options are passed on to the op, which checks them again on every call: here they are checked once, up
-front, with the op's own rules (its backends, its number checks), so that a bad option fails at
+Most options are passed on to the op. They are checked up front by building the op's own options object from
+them (:class:`CrossEntropyOptions`, whose construction is the op's checks), so that a bad option fails at
 ``apply_fused_lce`` (and at ``FusedLCECallback(...)``) rather than at the first training step.
 """
 
@@ -12,14 +12,10 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from ..ops.core.backend import BACKENDS
-from ..ops.core.checks import check_int, check_real, fail
+from ..ops.linear_cross_entropy.options import OP_NAME, CrossEntropyOptions
 
 # Where apply_fused_lce stores the LCEOptions: on the instance, or on the class for a class patch.
 OPTIONS_ATTR = "_lce_patch_options"
-
-_WHO = "lce_patch"  # the prefix of this module's error messages
-
 
 @dataclass(frozen=True)
 class LCEOptions:
@@ -38,11 +34,17 @@ class LCEOptions:
     allow_unregistered: bool = False
 
     def __post_init__(self) -> None:
-        if self.backend not in BACKENDS:
-            fail(f"unknown backend {self.backend!r}; expected one of {BACKENDS}", _WHO)
-        check_real("label_smoothing", self.label_smoothing, minimum=0.0, maximum=1.0, op_name=_WHO)
-        check_real("z_loss", self.z_loss, minimum=0.0, op_name=_WHO)
-        check_int("chunk_size", self.chunk_size, minimum=1, allow_none=True, op_name=_WHO)
+        try:
+            CrossEntropyOptions(
+                ignore_index=self.ignore_index,
+                label_smoothing=self.label_smoothing,
+                z_loss=self.z_loss,
+                backend=self.backend,
+                chunk_size=self.chunk_size,
+                skip_ignored=self.skip_ignored,
+            )
+        except ValueError as error:  # the op's message, under the name the user called
+            raise ValueError(str(error).replace(f"{OP_NAME}:", "lce_patch:", 1)) from None
         # not the op's: the patched forward reads it
         if self.return_logits_in_eval not in (None, True, False):
             raise ValueError(

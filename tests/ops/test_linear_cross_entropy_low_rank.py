@@ -213,23 +213,38 @@ def test_strided_inputs(backend):
         assert rel_err(up.grad, ref_up.grad) < 1e-5
 
 
-def test_compiled_matches_eager():
-    """Under torch.compile the low-rank op runs eagerly (a graph break) and gives the eager numbers."""
+@pytest.mark.parametrize("output", ["mean", "log_probs", "log_probs_precomputed"])
+def test_compiled_is_one_graph_with_eager_numbers(output):
+    """Under torch.compile the low-rank op is the custom operator (one graph, no break) and gives the eager
+    numbers: a scalar loss, per-token log-probs (recomputed backward) and precomputed log-prob gradients."""
     hidden, weight, lora_a, lora_b, labels, _ = make_lora_inputs(seed=6)
+    labels[::5] = -100
+    graphs = []
+
+    def capture(graph_module, example_inputs):
+        graphs.append(graph_module)
+        return graph_module.forward
 
     def loss_fn(h, w, a, b_up, labels):
-        return fused_linear_cross_entropy(
-            h, w, labels, low_rank_hidden=SCALE * h @ a.t(), low_rank_weight=b_up, softcap=3.0, chunk_size=8
+        low_rank = dict(low_rank_hidden=SCALE * h @ a.t(), low_rank_weight=b_up, softcap=3.0, chunk_size=8)
+        if output == "mean":
+            return fused_linear_cross_entropy(h, w, labels, skip_ignored=True, **low_rank)
+        outputs = fused_linear_log_probs(
+            h, w, labels, precompute_grad=output == "log_probs_precomputed", skip_ignored=True, **low_rank
         )
+        weights = 1.0 if output == "log_probs_precomputed" else torch.linspace(0.5, 1.5, labels.numel())
+        return -(outputs.log_probs.reshape(-1) * weights).sum()
 
     results = []
-    for fn in (loss_fn, torch.compile(loss_fn, backend="aot_eager")):
+    for fn in (loss_fn, torch.compile(loss_fn, backend=capture, fullgraph=True)):
         h, w, a, b_up = leaves((hidden, weight, lora_a, lora_b), torch.float32, (True, False, True, True))
         loss = fn(h, w, a, b_up, labels)
         loss.backward()
         results.append((loss.detach(), h.grad, a.grad, b_up.grad))
     for eager, compiled in zip(*results):
         torch.testing.assert_close(compiled, eager, rtol=1e-6, atol=1e-7)
+    targets = [str(node.target) for node in graphs[0].graph.nodes if node.op == "call_function"]
+    assert targets.count("lce_patch.linear_cross_entropy.default") == 1, targets
 
 
 def test_bad_low_rank_inputs():

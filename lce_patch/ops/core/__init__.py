@@ -1,5 +1,6 @@
 """What every op shares, owned by none: input checks (``checks``), backend choice and device helpers
-(``backend``), the chunk-size policy (``chunking``), the chunk GEMMs and gradient accumulation (``grads``), the
-Triton helpers the kernels share (``triton_helpers``) and the final logits of the references (``naive``).
+(``backend``), the chunk-size policy (``chunking``), the chunk GEMMs and gradient accumulation (``grads``), an
+op's options as its custom operators' arguments (``schema``), the Triton helpers the kernels share
+(``triton_helpers``) and the final logits of the references (``naive``).
 
 An op imports from here and from its own folder only."""

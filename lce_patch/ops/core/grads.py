@@ -12,7 +12,7 @@ from typing import NamedTuple
 
 import torch
 
-from .backend import stats_dtype
+from .backend import scale_inplace, stats_dtype
 
 # Whether a chunk's dW GEMM runs on a second CUDA stream beside its dh GEMM (GradAccumulator;
 # on the H100 1.1 ms faster per Llama-3-8B step, 0.2-0.4 ms on Qwen2.5 and Gemma-2, NOTES v19).
@@ -273,3 +273,34 @@ def reuse_as(buffer: torch.Tensor, shape: torch.Size) -> torch.Tensor:
     if buffer.is_contiguous() and buffer.numel() >= numel:
         return buffer.view(-1)[:numel].view(shape)
     return buffer.new_empty(shape)
+
+
+def scaled_by_upstream(
+    grads: tuple[torch.Tensor | None, ...], grad_out: torch.Tensor | None, *, in_place: bool, use_triton: bool
+) -> tuple[torch.Tensor | None, ...]:
+    """The gradients a scalar loss computed in its forward, times the upstream gradient ``grad_out`` (0-d):
+    the whole backward of a scalar loss, for eager and compiled calls alike. None stays None.
+
+    ``in_place`` (eager calls): scaled where they are, no second copy of dW (free when ``grad_out`` is exactly
+    1 on Triton). Otherwise (a graph, which cannot scale a saved tensor in place): a new tensor, the product
+    taken in fp32 (fp64 for fp64) and rounded once, as in place.
+    """
+    scaled = []
+    for grad in grads:
+        if grad_out is None or grad is None:
+            scaled.append(None)
+        elif in_place:
+            scale_inplace(grad, grad_out, use_triton)
+            scaled.append(grad)
+        else:
+            compute = torch.promote_types(grad.dtype, torch.float32)
+            scaled.append((grad.to(compute) * grad_out.to(compute)).to(grad.dtype))
+    return tuple(scaled)
+
+
+def absent_to_none(grads: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor | None, ...]:
+    """A custom operator's gradient outputs with its "not computed" marker, a tensor of shape (0,), as None.
+
+    (A computed gradient never has that shape: dW, dh and a low-rank factor's are 2-D, dbias has V >= 1 rows.)
+    """
+    return tuple(None if grad.shape == (0,) else grad for grad in grads)

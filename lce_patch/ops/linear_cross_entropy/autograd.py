@@ -1,18 +1,42 @@
-"""The cross-entropy op's autograd Function, for eager calls.
+"""The cross-entropy op's one backward, and its autograd Function for eager calls.
 
-Its forward runs :func:`chunked.chunked_forward`; its backward scales the gradients the forward computed (a
-scalar loss) or recomputes them chunk by chunk (per-token outputs, :func:`chunked.chunked_backward`).
-``custom_op.py`` gives ``torch.compile`` the same forward and backward as one operator.
+:func:`op_backward` is the backward of every call, eager or compiled: the autograd Function below calls it with
+``in_place=True``, the custom operators of ``custom_op.py`` (``torch.compile``) with ``in_place=False``. A scalar
+loss's gradients were computed in the forward and are only multiplied by the upstream gradient; per-token outputs
+either rescale the gradients ``precompute_grad`` computed in the forward (when the upstream gradient is uniform)
+or recompute them chunk by chunk (:func:`chunked.chunked_backward`).
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
-from ..core.backend import scale_inplace
-from ..core.grads import LowRank
+from ..core.grads import LowRank, scaled_by_upstream
 from .chunked import chunked_backward, chunked_forward
-from .options import ChunkedOptions
+from .options import OP_NAME, CrossEntropyOptions
+
+
+class Saved(NamedTuple):
+    """What the backward of per-token outputs reads, saved by the forward.
+
+    The inputs (2-D, in the compute dtype; the low-rank term's or None); ``row_index`` (the processed rows, None
+    for all) and, of those rows, ``row_labels``, ``lse`` and ``entropy`` (None unless the entropy may get a
+    gradient); ``precomputed``: with ``precompute_grad``, the forward's (dh, dw, db, d_low_rank_hidden,
+    d_low_rank_weight, grad_scale), else None.
+    """
+
+    hidden: torch.Tensor
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    low_rank_hidden: torch.Tensor | None
+    low_rank_weight: torch.Tensor | None
+    row_labels: torch.Tensor
+    lse: torch.Tensor
+    entropy: torch.Tensor | None
+    row_index: torch.Tensor | None
+    precomputed: tuple | None
 
 
 def uniform_factor(
@@ -35,13 +59,52 @@ def uniform_factor(
     return torch.where(valid.any(), first[0].to(precompute_scale.dtype) / precompute_scale, 0.0)
 
 
-def rescaled(grad: torch.Tensor | None, factor: torch.Tensor, in_place: bool) -> torch.Tensor | None:
-    if grad is None:
-        return None
-    if in_place:  # free when the factor is exactly 1; the Triton kernel leaves autograd's version alone
-        scale_inplace(grad, factor, True)
-        return grad
-    return grad * factor  # a saved tensor scaled in place would fail a second backward's version check
+def op_backward(
+    options: CrossEntropyOptions,
+    saved: Saved | tuple,
+    grad_loss: torch.Tensor | None,
+    grad_entropy: torch.Tensor | None,
+    chunks: tuple[tuple[int, int], ...] | None,
+    *,
+    in_place: bool,
+) -> tuple[torch.Tensor | None, ...]:
+    """(dh, dw, db, d_low_rank_hidden, d_low_rank_weight), None where not needed.
+
+    A scalar loss: ``saved`` is the five gradients its forward computed, multiplied here by ``grad_loss``
+    (0-d). Per-token outputs: ``saved`` is a :class:`Saved`; ``grad_loss`` and ``grad_entropy`` are of all N
+    rows (None: no gradient); ``chunks`` the forward's row spans. ``in_place`` (eager calls): gradients the
+    forward computed are scaled where they are; otherwise (a graph) into new tensors.
+    """
+    if options.scalar:
+        return scaled_by_upstream(saved, grad_loss, in_place=in_place, use_triton=options.use_triton)
+    if saved.entropy is None:
+        grad_entropy = None
+    if saved.precomputed is not None and grad_entropy is None and grad_loss is not None:
+        *grads, grad_scale = saved.precomputed
+        rows_grad = grad_loss.reshape(-1)
+        if saved.row_index is not None:
+            rows_grad = rows_grad.index_select(0, saved.row_index)
+        factor = uniform_factor(rows_grad, saved.row_labels, options.ignore_index, grad_scale)
+        if factor is not None:
+            # in place only on Triton, whose kernel leaves autograd's version counter of the saved tensors alone
+            return scaled_by_upstream(
+                grads, factor, in_place=in_place and options.use_triton, use_triton=options.use_triton
+            )
+    low_rank = None if saved.low_rank_hidden is None else LowRank(saved.low_rank_hidden, saved.low_rank_weight)
+    return chunked_backward(
+        saved.hidden,
+        saved.weight,
+        saved.bias,
+        saved.row_labels,
+        saved.lse,
+        saved.entropy,
+        saved.row_index,
+        grad_loss,
+        grad_entropy,
+        options,
+        chunks,
+        low_rank,
+    )
 
 
 def _refuse_double_backward() -> None:
@@ -49,46 +112,31 @@ def _refuse_double_backward() -> None:
     carry no graph of their own, so a second-order use would silently get a wrong result."""
     if torch.is_grad_enabled():
         raise RuntimeError(
-            "fused_linear_cross_entropy: second-order gradients (backward with create_graph=True, e.g. a "
+            f"{OP_NAME}: second-order gradients (backward with create_graph=True, e.g. a "
             "gradient penalty) are not supported: the op's gradients are computed without a graph. Use "
             "lce_patch.ops.linear_cross_entropy.naive_linear_cross_entropy for that term."
         )
 
 
 class LinearCrossEntropyFunction(torch.autograd.Function):
-    """Chunked fused projection + cross-entropy (eager mode); see the module docstring.
+    """The chunked op for eager calls; see the module docstring.
 
-    Inputs: hidden [N, D], weight [V, D], bias [V] or None (all one float dtype, any strides), labels
-    [N] integer, num_items (0-d tensor for ``reduction="items"``, else None), ``ChunkedOptions``, and
-    optionally a low-rank term's hidden [N, r] and weight [V, r] (:class:`LowRank`, same dtype).
+    Inputs: hidden [N, D], weight [V, D], bias [V] or None (all one float dtype, any strides), labels [N]
+    integer, num_items (0-d tensor for ``reduction="items"``, else None), a low-rank term's hidden [N, r] and
+    weight [V, r] or None (:class:`LowRank`, same dtype), then the :class:`CrossEntropyOptions`.
     Outputs: loss (0-d, or [N]), entropy [N] (or empty), is_top1 [N] bool (or empty), mean_logit [N]
     (or empty), log_sum_sq [N] (or empty); fp32, or fp64 for fp64 inputs. mean_logit and log_sum_sq
     carry no gradient.
     """
 
     @staticmethod
-    def forward(
-        ctx,
-        hidden,
-        weight,
-        bias,
-        labels,
-        num_items,
-        options: ChunkedOptions,
-        low_rank_hidden=None,
-        low_rank_weight=None,
-    ):
+    def forward(ctx, hidden, weight, bias, labels, num_items, low_rank_hidden, low_rank_weight, options):
         low_rank = None if low_rank_hidden is None else LowRank(low_rank_hidden, low_rank_weight)
         result = chunked_forward(hidden, weight, bias, labels, num_items, options, low_rank)
         # Outputs that get no gradient (entropy logged as a metric, say) arrive as None, not as
         # zeros, so the backward can skip their terms.
         ctx.set_materialize_grads(False)
-        ctx.transform = options.transform
-        ctx.chunks = result.chunks
-        ctx.use_triton = options.use_triton
-        ctx.shard = options.shard
-        scalar_loss = ctx.scalar_loss = options.reduction is not None
-        ctx.backward_done = False
+        ctx.options, ctx.chunks, ctx.backward_done = options, result.chunks, False
 
         def given(value: torch.Tensor | None, dtype: torch.dtype = result.loss.dtype) -> torch.Tensor:
             return value if value is not None else result.loss.new_empty(0, dtype=dtype)  # one tensor per output
@@ -97,15 +145,13 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         mean_logit, log_sum_sq = given(result.mean_logit), given(result.log_sum_sq)
         ctx.mark_non_differentiable(is_top1, mean_logit, log_sum_sq)
         outputs = (result.loss, entropy, is_top1, mean_logit, log_sum_sq)
-        if scalar_loss:
+        if options.scalar:
             ctx.mark_non_differentiable(entropy)
             ctx.save_for_backward(*(result.grads or (None,) * 5))
             return outputs
-        if any(options.needs_grad) or any(options.needs_low_rank_grad):
-            precomputed = (None,) * 6
-            if result.grad_scale is not None:
-                precomputed = (*result.grads, result.grad_scale)
-            saved_entropy = result.processed_entropy if result.processed_entropy is not None else result.lse
+        if options.any_grad:
+            ctx.precomputed = result.grad_scale is not None
+            precomputed = (*result.grads, result.grad_scale) if ctx.precomputed else (None,) * 6
             ctx.save_for_backward(
                 hidden,
                 weight,
@@ -114,71 +160,29 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
                 low_rank_weight,
                 result.row_labels,
                 result.lse,
-                saved_entropy,
+                result.processed_entropy,
                 result.row_index,
                 *precomputed,
             )
-            ctx.has_entropy = result.processed_entropy is not None
-            ctx.precomputed = result.grad_scale is not None
         return outputs
 
     @staticmethod
     def backward(ctx, grad_loss, grad_entropy, _grad_top1, _grad_mean_logit, _grad_log_sum_sq):
         _refuse_double_backward()
-        if ctx.scalar_loss:
-            grads = LinearCrossEntropyFunction._scalar_backward(ctx, grad_loss)
+        if ctx.options.scalar:
+            if ctx.backward_done:
+                raise RuntimeError(
+                    f"{OP_NAME}: backward through the same scalar loss twice is not supported "
+                    "(its gradients were computed in the forward and are scaled in place)."
+                )
+            ctx.backward_done = True
+            saved = ctx.saved_tensors
         else:
-            grads = LinearCrossEntropyFunction._recompute_backward(ctx, grad_loss, grad_entropy)
+            *tensors, row_index = ctx.saved_tensors[:9]
+            # precomputed gradients are scaled in place once: a second backward recomputes instead
+            precomputed = ctx.saved_tensors[9:] if ctx.precomputed else None
+            ctx.precomputed = False
+            saved = Saved(*tensors, row_index=row_index, precomputed=precomputed)
+        grads = op_backward(ctx.options, saved, grad_loss, grad_entropy, ctx.chunks, in_place=True)
         dh, dw, db, d_low_rank_hidden, d_low_rank_weight = grads
-        all_grads = (dh, dw, db, None, None, None, d_low_rank_hidden, d_low_rank_weight)
-        return all_grads[: len(ctx.needs_input_grad)]  # the low-rank term's only when it was given
-
-    @staticmethod
-    def _scalar_backward(ctx, grad_loss):
-        if ctx.backward_done:
-            raise RuntimeError(
-                "fused_linear_cross_entropy: backward through the same scalar loss twice is not supported "
-                "(its gradients were computed in the forward and are scaled in place)."
-            )
-        ctx.backward_done = True
-        if grad_loss is None:
-            return (None,) * 5
-        grads = ctx.saved_tensors
-        for grad in grads:
-            if grad is not None:
-                scale_inplace(grad, grad_loss, ctx.use_triton)
-        return grads
-
-    @staticmethod
-    def _recompute_backward(ctx, grad_loss, grad_entropy):
-        hidden, weight, bias, low_rank_hidden, low_rank_weight, labels, lse, entropy, row_index, *precomputed = (
-            ctx.saved_tensors
-        )
-        if not ctx.has_entropy:
-            grad_entropy = None
-        if ctx.precomputed and grad_entropy is None and grad_loss is not None:
-            ctx.precomputed = False  # scaled in place below: a second backward recomputes instead
-            rows_grad = grad_loss.reshape(-1) if row_index is None else grad_loss.reshape(-1).index_select(0, row_index)
-            factor = uniform_factor(rows_grad, labels, ctx.transform.ignore_index, precomputed[-1])
-            if factor is not None:
-                return tuple(rescaled(grad, factor, ctx.use_triton) for grad in precomputed[:-1])
-        low_rank = None if low_rank_hidden is None else LowRank(low_rank_hidden, low_rank_weight)
-        grads = chunked_backward(
-            hidden,
-            weight,
-            bias,
-            labels,
-            lse,
-            entropy,
-            row_index,
-            grad_loss,
-            grad_entropy,
-            tuple(ctx.needs_input_grad[:3]),
-            ctx.transform,
-            ctx.chunks,
-            ctx.use_triton,
-            ctx.shard,
-            low_rank,
-            tuple(ctx.needs_input_grad[6:8]),
-        )
-        return grads
+        return dh, dw, db, None, None, d_low_rank_hidden, d_low_rank_weight, None

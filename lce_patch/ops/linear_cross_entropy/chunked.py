@@ -25,7 +25,7 @@ Rows whose label is ignored can be left out (``row_index``: the rows to process)
 gathers its rows of hidden (into a stretch of dh that holds no finished row yet, when dh is
 computed), dh is scattered back, and per-row outputs are placed among zeros.
 
-With ``ChunkedOptions.shard`` the weight is one rank's shard of a vocabulary split across a process
+With ``CrossEntropyOptions.shard`` the weight is one rank's shard of a vocabulary split across a process
 group: the row pass becomes vocab_parallel.py's (statistics exchanged per chunk, the gradient formed
 with the whole vocabulary's log-sum-exp), labels become shard ids, and dh is summed over the group.
 
@@ -48,9 +48,9 @@ from ..core.backend import stats_dtype
 from ..core.checks import check_labels, check_num_items, selected_rows
 from ..core.chunking import buffer_rows, resolve_chunks
 from ..core.grads import GradAccumulator, LowRank, fp32_output_gemm_available, logits_into
-from .options import OP_NAME, ChunkedOptions
-from .rows import LogitTransform, RowOutputs, chunk_grad, chunk_stats, target_logits, unnormalized_grad_applies
-from .vocab_parallel import ShardRowPass, VocabShard, all_reduce_sum, shard_labels
+from .options import OP_NAME, CrossEntropyOptions
+from .rows import RowOutputs, chunk_grad, chunk_stats, target_logits, unnormalized_grad_applies
+from .vocab_parallel import ShardRowPass, all_reduce_sum, shard_labels
 
 
 def _gather_buffer(
@@ -136,7 +136,7 @@ def chunked_forward(
     bias: torch.Tensor | None,
     labels: torch.Tensor,
     num_items: torch.Tensor | None,
-    options: ChunkedOptions,
+    options: CrossEntropyOptions,
     low_rank: LowRank | None = None,
 ) -> ForwardOutputs:
     """The chunked forward (see the module docstring), with the checks that read tensor values.
@@ -149,27 +149,26 @@ def chunked_forward(
         return _chunked_forward(hidden, weight, bias, labels, num_items, options, low_rank)
 
 
-def _chunked_forward(hidden, weight, bias, labels, num_items, options: ChunkedOptions, low_rank) -> ForwardOutputs:
-    transform, use_triton, shard = options.transform, options.use_triton, options.shard
+def _chunked_forward(hidden, weight, bias, labels, num_items, options: CrossEntropyOptions, low_rank) -> ForwardOutputs:
+    use_triton, shard = options.use_triton, options.shard
     labels = labels.contiguous()  # the row kernels index labels by row
     vocab_size = weight.shape[0]
-    check_labels(labels, vocab_size if shard is None else shard.total, transform.ignore_index, OP_NAME)
-    valid = labels != transform.ignore_index
+    check_labels(labels, vocab_size if shard is None else shard.total, options.ignore_index, OP_NAME)
+    valid = labels != options.ignore_index
     row_index = None
-    if options.skip_ignored or options.num_valid_tokens is not None:
+    if options.selects_rows:
         row_index = selected_rows(valid, options.num_valid_tokens, OP_NAME)
     acc_dtype = stats_dtype(hidden.dtype)
     reduce_scale = _reduce_scale(options.reduction, valid.sum(), num_items, acc_dtype)
     if shard is not None:  # from here on, labels are ids of the local shard (vocab_parallel.py)
-        labels = shard_labels(labels, shard, vocab_size, transform.ignore_index)
+        labels = shard_labels(labels, shard, vocab_size, options.ignore_index)
 
     total_rows = hidden.shape[0]
     num_rows = total_rows if row_index is None else row_index.shape[0]
     row_labels = labels if row_index is None else labels.index_select(0, row_index)
     device = hidden.device
     want_entropy, want_top1, want_mean_logit, want_log_sum_sq = options.want
-    needs_hidden, needs_weight, needs_bias = options.needs_grad
-    any_grad = needs_hidden or needs_weight or needs_bias or any(options.needs_low_rank_grad)
+    any_grad = options.any_grad
     chunks = resolve_chunks(options.chunk_size, num_rows, hidden, weight, use_triton, any_grad)
     scalar_loss = reduce_scale is not None
     # Per-token outputs with precompute_grad: the gradient of sum(loss) / n_valid is computed now
@@ -177,7 +176,7 @@ def _chunked_forward(hidden, weight, bias, labels, num_items, options: ChunkedOp
     precompute = options.precompute_grad and any_grad and not scalar_loss
     grad_scale = reduce_scale
     if precompute:
-        grad_scale = 1.0 / (row_labels != transform.ignore_index).sum().clamp(min=1).to(acc_dtype)
+        grad_scale = 1.0 / (row_labels != options.ignore_index).sum().clamp(min=1).to(acc_dtype)
     grad_in_forward = (scalar_loss and any_grad) or precompute
 
     def stat_rows():
@@ -207,7 +206,7 @@ def _chunked_forward(hidden, weight, bias, labels, num_items, options: ChunkedOp
     buffer = torch.empty(buffer_rows(chunks), vocab_size, dtype=hidden.dtype, device=device)
     shard_pass = None
     if shard is not None:
-        shard_pass = ShardRowPass(shard, transform, buffer.shape[0], use_triton, hidden.dtype, device)
+        shard_pass = ShardRowPass(shard, options, buffer.shape[0], use_triton, hidden.dtype, device)
     gathered = _gather_buffer(hidden, row_index, buffer.shape[0], grads)
     # The one-pass gradient (rows to be scaled by row_factor) where the kernel has it (softcap)
     # and only dh is computed (a frozen W, as under LoRA); log_sum_sq needs the two-pass kernel.
@@ -217,7 +216,7 @@ def _chunked_forward(hidden, weight, bias, labels, num_items, options: ChunkedOp
         and not want_log_sum_sq
         and grads is not None
         and grads.takes_row_factor
-        and unnormalized_grad_applies(transform, hidden.dtype, use_triton)
+        and unnormalized_grad_applies(options, hidden.dtype, use_triton)
         and fp32_output_gemm_available(device)
     ):
         row_factor = torch.empty(buffer.shape[0], dtype=torch.float32, device=device)
@@ -234,7 +233,7 @@ def _chunked_forward(hidden, weight, bias, labels, num_items, options: ChunkedOp
             shard_pass.run(raw, row_labels[start:stop], chunk_out, chunk_target, chunk_scale)
         else:
             chunk_stats(
-                raw, row_labels[start:stop], transform, chunk_out, chunk_scale, use_triton, chunk_target, chunk_factor
+                raw, row_labels[start:stop], options, chunk_out, chunk_scale, use_triton, chunk_target, chunk_factor
             )
         if grads is not None:
             grads.add(raw, hidden_chunk, rows, chunk_factor)
@@ -276,22 +275,20 @@ def chunked_backward(
     row_index: torch.Tensor | None,
     grad_loss: torch.Tensor | None,
     grad_entropy: torch.Tensor | None,
-    needs_grad: tuple[bool, bool, bool],
-    transform: LogitTransform,
+    options: CrossEntropyOptions,
     chunks: tuple[tuple[int, int], ...],
-    use_triton: bool,
-    shard: VocabShard | None = None,
     low_rank: LowRank | None = None,
-    needs_low_rank: tuple[bool, bool] = (False, False),
 ) -> tuple[torch.Tensor | None, ...]:
     """Gradients of per-token outputs by recomputing each chunk's logits (8*N*V*D FLOPs in all), over
     the (start, stop) row spans ``chunks`` (:func:`resolve_chunks`).
 
     ``row_labels``, ``lse`` and ``entropy`` are of the processed rows (``row_index``, or all);
     ``grad_loss`` and ``grad_entropy`` (None: no gradient) are of all N rows. Returns (dh, dw, db,
-    d of the low-rank term's hidden, d of its weight), None where not needed. With ``shard``,
-    ``row_labels`` are shard ids, ``lse`` the whole vocabulary's, and dh is summed over the shard's group.
+    d of the low-rank term's hidden, d of its weight), None where not needed (``options.needs_grad``,
+    ``options.needs_low_rank_grad``). With ``options.shard``, ``row_labels`` are shard ids, ``lse`` the whole
+    vocabulary's, and dh is summed over the shard's group.
     """
+    use_triton, shard = options.use_triton, options.shard
     with torch.autocast(hidden.device.type, enabled=False):
         if row_index is not None:  # only the processed rows have gradients
             if grad_loss is not None:
@@ -299,7 +296,9 @@ def chunked_backward(
             if grad_entropy is not None:
                 grad_entropy = grad_entropy.reshape(-1).index_select(0, row_index)
         vocab_size = weight.shape[0]
-        grads = GradAccumulator(hidden, weight, bias, *needs_grad, row_index, low_rank, needs_low_rank)
+        grads = GradAccumulator(
+            hidden, weight, bias, *options.needs_grad, row_index, low_rank, options.needs_low_rank_grad
+        )
         acc_dtype = stats_dtype(hidden.dtype)
         grad_loss = grad_loss.reshape(-1).to(acc_dtype).contiguous() if grad_loss is not None else None
         grad_entropy = grad_entropy.reshape(-1).to(acc_dtype).contiguous() if grad_entropy is not None else None
@@ -315,7 +314,7 @@ def chunked_backward(
                 chunk_grad(
                     raw,
                     row_labels[start:stop],
-                    transform,
+                    options,
                     lse[start:stop],
                     entropy[start:stop] if grad_entropy is not None else None,
                     grad_loss[start:stop] if grad_loss is not None else None,

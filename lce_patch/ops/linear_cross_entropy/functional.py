@@ -11,8 +11,7 @@ from ..core.backend import BACKENDS, resolve_backend
 from ..core.checks import num_items_tensor
 from .autograd import LinearCrossEntropyFunction
 from .custom_op import compiled_linear_cross_entropy
-from .options import OP_NAME, ChunkedOptions, check_int, check_real, fail
-from .rows import LogitTransform
+from .options import OP_NAME, SCHEMA, CrossEntropyOptions, check_flag, fail
 from .vocab_parallel import VocabShard, check_shard, is_dtensor, unwrap_dtensors
 
 _REDUCTIONS = ("mean", "sum", "none")
@@ -101,18 +100,6 @@ def _low_rank_inputs(low_rank_hidden, low_rank_weight, hidden, weight) -> tuple 
     return low_rank_hidden.to(hidden.dtype).reshape(-1, rank), low_rank_weight.to(hidden.dtype)
 
 
-@torch.compiler.disable
-def _apply_eagerly(*args):
-    """The autograd Function outside the graph: a graph break under ``torch.compile`` (the custom operator
-    has no low-rank inputs)."""
-    return LinearCrossEntropyFunction.apply(*args)
-
-
-def _check_flag(name: str, value) -> None:
-    if not isinstance(value, bool):
-        fail(f"{name} must be a bool, got {value!r}")
-
-
 def start_valid_token_count(labels: torch.Tensor, ignore_index: int = -100, shift: bool = False) -> Callable[[], int]:
     """Start counting the labels that are not ``ignore_index``; the returned function gives the count.
 
@@ -160,148 +147,82 @@ def _compute_dtype(hidden, weight, bias) -> tuple[torch.Tensor, torch.Tensor, to
     return hidden, weight, bias
 
 
-def _run(hidden, weight, labels, *, vocab_shard=None, **kwargs):
+def _run(hidden, weight, bias, labels, num_items_in_batch, low_rank_hidden, low_rank_weight, options, vocab_shard):
     """The op on local tensors (:func:`_run_chunked`), or its vocabulary-parallel form for a weight
     sharded along the vocabulary: a DTensor (tensor parallelism) or a local shard with ``vocab_shard``."""
-    if vocab_shard is not None or any(is_dtensor(t) for t in (hidden, weight, kwargs["bias"], labels)):
-        if kwargs.get("low_rank_hidden") is not None or kwargs.get("low_rank_weight") is not None:
+    if vocab_shard is not None or any(is_dtensor(t) for t in (hidden, weight, bias, labels)):
+        if low_rank_hidden is not None or low_rank_weight is not None:
             fail("a low-rank term (LoRA on the head) is not supported with a vocabulary-sharded weight")
-        return _run_vocab_parallel(hidden, weight, labels, vocab_shard, kwargs)
-    return _run_chunked(hidden, weight, labels, shard=None, **kwargs)
+        return _run_vocab_parallel(hidden, weight, bias, labels, num_items_in_batch, options, vocab_shard)
+    return _run_chunked(hidden, weight, bias, labels, num_items_in_batch, low_rank_hidden, low_rank_weight, options)
 
 
 @torch.compiler.disable
-def _run_vocab_parallel(hidden, weight, labels, vocab_shard, kwargs):
+def _run_vocab_parallel(hidden, weight, bias, labels, num_items_in_batch, options, vocab_shard):
     """DTensors unwrapped into local tensors and their :class:`VocabShard` (see vocab_parallel.py). Runs
     eagerly, a graph break under ``torch.compile``: each chunk exchanges statistics across the group."""
-    if any(kwargs["want"]):
+    if any(options.want):
         fail(
             "entropy, is_top1, mean_logits and log_sum_sq_probs are not supported with a vocabulary-sharded "
             "weight (tensor parallelism); the loss and log-probabilities are"
         )
-    hidden, weight, bias, labels, shard = unwrap_dtensors(hidden, weight, kwargs["bias"], labels)
+    hidden, weight, bias, labels, shard = unwrap_dtensors(hidden, weight, bias, labels)
     if vocab_shard is not None:
         if shard is not None:
             fail("vocab_shard was given for a DTensor weight, which carries its own sharding; pass one or the other")
         shard = vocab_shard
-    return _run_chunked(hidden, weight, labels, shard=shard, **{**kwargs, "bias": bias})
+    if isinstance(weight, torch.Tensor) and weight.dim() == 2:
+        check_shard(shard, weight.shape[0], options.ignore_index)
+    options = SCHEMA.replace(options, shard=shard, vocab_size=shard.total)
+    return _run_chunked(hidden, weight, bias, labels, num_items_in_batch, None, None, options)
 
 
-def _run_chunked(
-    hidden,
-    weight,
-    labels,
-    *,
-    shard,
-    bias,
-    ignore_index,
-    softcap,
-    logit_scale,
-    temperature,
-    shift,
-    reduction,
-    num_items_in_batch,
-    label_smoothing,
-    z_loss,
-    backend,
-    chunk_size,
-    want,
-    skip_ignored=False,
-    num_valid_tokens=None,
-    precompute_grad=False,
-    low_rank_hidden=None,
-    low_rank_weight=None,
-):
-    """Checks, casts, shifts and flattens the inputs, then runs the chunked op: the autograd Function
-    in eager mode, the custom operator under ``torch.compile`` (see custom_op.py).
-    ``reduction``: "mean", "sum", "items" or None (per-token outputs). ``shard``: the weight's
-    :class:`VocabShard`, or None for a whole vocabulary."""
+def _run_chunked(hidden, weight, bias, labels, num_items_in_batch, low_rank_hidden, low_rank_weight, options):
+    """Checks, casts, shifts and flattens the inputs, completes ``options`` with what the tensors decide (the
+    backend, which inputs need gradients), then runs the chunked op: the autograd Function in eager mode, the
+    custom operator under ``torch.compile`` (see custom_op.py). Returns (loss, entropy, is_top1, mean_logits,
+    log_sum_sq, label_mask), each shaped like ``labels`` (the loss 0-d when scalar), None where not wanted."""
     _check_inputs(hidden, weight, bias, labels)
-    if shard is not None:
-        check_shard(shard, weight.shape[0], ignore_index)
-    check_int("ignore_index", ignore_index)
-    check_real("softcap", softcap, positive=True, allow_none=True)
-    check_real("logit_scale", logit_scale)
-    check_real("temperature", temperature, positive=True)
-    check_real("label_smoothing", label_smoothing, minimum=0.0, maximum=1.0)
-    check_real("z_loss", z_loss, minimum=0.0)
-    check_int("chunk_size", chunk_size, minimum=1, allow_none=True)
-    check_int("num_valid_tokens", num_valid_tokens, minimum=0, allow_none=True)
-    for name, flag in (("shift", shift), ("skip_ignored", skip_ignored), ("precompute_grad", precompute_grad)):
-        _check_flag(name, flag)
-
     hidden, weight, bias = _compute_dtype(hidden, weight, bias)
     low_rank = _low_rank_inputs(low_rank_hidden, low_rank_weight, hidden, weight)
-    use_triton = resolve_backend(backend, hidden.device, hidden.dtype, OP_NAME)
+    use_triton = resolve_backend(options.backend, hidden.device, hidden.dtype, OP_NAME)
     out_shape = labels.shape
     labels = labels.long()
-    if shift:
-        labels = _shift_labels(labels, ignore_index)
+    if options.shift:
+        labels = _shift_labels(labels, options.ignore_index)
     labels = labels.reshape(-1)
     hidden_2d = hidden.reshape(-1, hidden.shape[-1])
-    if num_valid_tokens is not None and num_valid_tokens > labels.shape[0]:
-        fail(f"num_valid_tokens={num_valid_tokens} exceeds the number of tokens ({labels.shape[0]})")
-    num_items = num_items_tensor(num_items_in_batch, hidden.device, OP_NAME) if reduction == "items" else None
+    if options.num_valid_tokens is not None and options.num_valid_tokens > labels.shape[0]:
+        fail(f"num_valid_tokens={options.num_valid_tokens} exceeds the number of tokens ({labels.shape[0]})")
+    num_items = None
+    if options.reduction == "items":
+        num_items = num_items_tensor(num_items_in_batch, hidden.device, OP_NAME)
 
     grad_on = torch.is_grad_enabled()
-    needs_grad = (
-        grad_on and hidden.requires_grad,
-        grad_on and weight.requires_grad,
-        grad_on and bias is not None and bias.requires_grad,
+    options = SCHEMA.replace(
+        options,
+        use_triton=use_triton,
+        needs_grad=(
+            grad_on and hidden.requires_grad,
+            grad_on and weight.requires_grad,
+            grad_on and bias is not None and bias.requires_grad,
+        ),
+        needs_low_rank_grad=(
+            (grad_on and low_rank[0].requires_grad, grad_on and low_rank[1].requires_grad)
+            if low_rank is not None
+            else (False, False)
+        ),
     )
-    settings = dict(
-        ignore_index=int(ignore_index),
-        softcap=None if softcap is None else float(softcap),
-        logit_scale=float(logit_scale),
-        temperature=float(temperature),
-        label_smoothing=float(label_smoothing),
-        z_loss=float(z_loss),
-    )
-    if torch.compiler.is_compiling() and shard is None and low_rank is None:
-        outputs = compiled_linear_cross_entropy(
-            hidden_2d,
-            weight,
-            bias,
-            labels,
-            num_items,
-            **settings,
-            reduction=reduction,
-            use_triton=use_triton,
-            needs_grad=needs_grad,
-            want=want,
-            chunk_size=chunk_size,
-            skip_ignored=skip_ignored,
-            num_valid_tokens=num_valid_tokens,
-            precompute_grad=precompute_grad,
-        )
+    inputs = (hidden_2d, weight, bias, labels, num_items, *(low_rank or (None, None)))
+    if torch.compiler.is_compiling():
+        outputs = compiled_linear_cross_entropy(*inputs, options)
     else:
-        options = ChunkedOptions(
-            transform=LogitTransform(**settings, vocab_size=shard.total if shard is not None else None),
-            reduction=reduction,
-            use_triton=use_triton,
-            needs_grad=needs_grad,
-            want=want,
-            chunk_size=chunk_size,
-            skip_ignored=skip_ignored,
-            num_valid_tokens=num_valid_tokens,
-            precompute_grad=precompute_grad,
-            shard=shard,
-            needs_low_rank_grad=(
-                (grad_on and low_rank[0].requires_grad, grad_on and low_rank[1].requires_grad)
-                if low_rank is not None
-                else (False, False)
-            ),
-        )
-        inputs = (hidden_2d, weight, bias, labels, num_items, options, *(low_rank or ()))
-        if low_rank is not None and torch.compiler.is_compiling():
-            outputs = _apply_eagerly(*inputs)
-        else:
-            outputs = LinearCrossEntropyFunction.apply(*inputs)
+        outputs = LinearCrossEntropyFunction.apply(*inputs, options)
     loss, *per_token = outputs
-    if reduction is None:
+    if not options.scalar:
         loss = loss.view(out_shape)
-    per_token = [value.view(out_shape) if asked else None for value, asked in zip(per_token, want, strict=True)]
-    return loss, *per_token, (labels != ignore_index).view(out_shape)
+    per_token = [value.view(out_shape) if asked else None for value, asked in zip(per_token, options.want, strict=True)]
+    return loss, *per_token, (labels != options.ignore_index).view(out_shape)
 
 
 def fused_linear_cross_entropy(
@@ -370,8 +291,8 @@ def fused_linear_cross_entropy(
             on the head is ``low_rank_hidden = scale * lora_A(dropout(hidden))``, ``low_rank_weight =
             lora_B.weight``, so the op never forms ``W + scale * B @ A``. Each chunk adds the term in its
             logits GEMM; both factors get gradients (``d low_rank_hidden = G @ B``, ``d low_rank_weight``
-            accumulated in fp32), and W none when frozen. Not with ``vocab_shard``; a graph break under
-            ``torch.compile``.
+            accumulated in fp32), and W none when frozen. Not with ``vocab_shard``; under
+            ``torch.compile`` part of the custom operator, as without the term.
         low_rank_weight: [V, r], the right factor of the low-rank term; given with ``low_rank_hidden``.
 
     Returns:
@@ -381,34 +302,25 @@ def fused_linear_cross_entropy(
     del deterministic  # every path is deterministic; kept in the signature as a documented promise
     if reduction not in _REDUCTIONS:
         fail(f"unknown reduction {reduction!r}; expected one of {_REDUCTIONS}")
-    if num_items_in_batch is not None:
-        if reduction == "none":
-            fail("num_items_in_batch cannot be combined with reduction='none'")
-        kind = "items"
-    else:
-        kind = {"mean": "mean", "sum": "sum", "none": None}[reduction]
-    loss, *_ = _run(
-        hidden,
-        weight,
-        labels,
-        bias=bias,
+    if num_items_in_batch is not None and reduction == "none":
+        fail("num_items_in_batch cannot be combined with reduction='none'")
+    options = CrossEntropyOptions(
         ignore_index=ignore_index,
         softcap=softcap,
         logit_scale=logit_scale,
-        temperature=1.0,
-        shift=shift,
-        reduction=kind,
-        num_items_in_batch=num_items_in_batch,
         label_smoothing=label_smoothing,
         z_loss=z_loss,
+        reduction="items"
+        if num_items_in_batch is not None
+        else {"mean": "mean", "sum": "sum", "none": None}[reduction],
         backend=backend,
+        shift=shift,
         chunk_size=chunk_size,
-        want=(False, False, False, False),
         skip_ignored=skip_ignored,
         num_valid_tokens=num_valid_tokens,
-        vocab_shard=vocab_shard,
-        low_rank_hidden=low_rank_hidden,
-        low_rank_weight=low_rank_weight,
+    )
+    loss, *_ = _run(
+        hidden, weight, bias, labels, num_items_in_batch, low_rank_hidden, low_rank_weight, options, vocab_shard
     )
     return loss
 
@@ -471,30 +383,23 @@ def fused_linear_log_probs(
         ("return_mean_logits", return_mean_logits),
         ("return_log_sum_sq_probs", return_log_sum_sq_probs),
     ):
-        _check_flag(name, flag)
-    loss, entropy, is_top1, mean_logits, log_sum_sq_probs, label_mask = _run(
-        hidden,
-        weight,
-        labels,
-        bias=bias,
+        check_flag(name, flag)
+    options = CrossEntropyOptions(
         ignore_index=ignore_index,
         softcap=softcap,
         logit_scale=logit_scale,
         temperature=temperature,
-        shift=shift,
         reduction=None,
-        num_items_in_batch=None,
-        label_smoothing=0.0,
-        z_loss=0.0,
         backend=backend,
-        chunk_size=chunk_size,
+        shift=shift,
         want=(return_entropy, return_is_top1, return_mean_logits, return_log_sum_sq_probs),
+        chunk_size=chunk_size,
         skip_ignored=skip_ignored,
         num_valid_tokens=num_valid_tokens,
         precompute_grad=precompute_grad,
-        vocab_shard=vocab_shard,
-        low_rank_hidden=low_rank_hidden,
-        low_rank_weight=low_rank_weight,
+    )
+    loss, entropy, is_top1, mean_logits, log_sum_sq_probs, label_mask = _run(
+        hidden, weight, bias, labels, None, low_rank_hidden, low_rank_weight, options, vocab_shard
     )
     return TokenOutputs(
         log_probs=-loss,

@@ -1,18 +1,27 @@
-"""The cross-entropy op's name (every message starts with it), its checks bound to that name, and the
-options of one call of its chunked forward."""
+"""The cross-entropy op's name (every message starts with it), its checks bound to that name, and
+:class:`CrossEntropyOptions`, everything about one call that is not a tensor.
+
+The public functions build one options object per call (its checks run there, once); the label shift and the
+vocabulary-parallel path read it, the chunked forward and backward take it whole, and the custom operators take
+its fields as their arguments (:mod:`..core.schema`). A patched model's options are checked by building one too.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ..core import checks
+from ..core.backend import BACKENDS
+from ..core.schema import OPERATOR, OptionsSchema
+from .rows import LogitTransform
 
 if TYPE_CHECKING:
-    from .rows import LogitTransform
     from .vocab_parallel import VocabShard
 
 OP_NAME = "fused_linear_cross_entropy"
+REDUCTIONS = ("mean", "sum", "items")  # scalar losses; None: per-token outputs
 
 
 def fail(message: str) -> None:
@@ -27,27 +36,80 @@ def check_real(name: str, value, **bounds) -> None:
     checks.check_real(name, value, op_name=OP_NAME, **bounds)
 
 
-@dataclass(frozen=True)
-class ChunkedOptions:
-    """Everything about one call of the chunked op that is not a tensor.
+def check_flag(name: str, value) -> None:
+    if not isinstance(value, bool):
+        fail(f"{name} must be a bool, got {value!r}")
 
-    reduction: "mean" (over valid labels), "sum", "items" (sum / num_items_in_batch) for a scalar loss,
-    or None for per-token outputs. needs_grad: whether (hidden, weight, bias) get gradients. want:
-    whether to compute (entropy, is_top1, mean_logit, log_sum_sq). chunk_size: rows per chunk, None for the default.
-    skip_ignored / num_valid_tokens: process the valid rows only (see :func:`..core.checks.selected_rows`).
-    shard: the weight is this rank's shard of a vocabulary split across a process group (vocab_parallel.py;
-    ``transform.vocab_size`` is then the whole vocabulary's size, and ``want`` all False).
-    needs_low_rank_grad: whether the low-rank term's (hidden, weight) get gradients (:class:`LowRank`).
+
+@dataclass(frozen=True)
+class CrossEntropyOptions(LogitTransform):
+    """One call of the op, checked on construction. The logit transform's fields (:class:`rows.LogitTransform`:
+    ``ignore_index``, ``softcap``, ``logit_scale``, ``temperature``, ``label_smoothing``, ``z_loss``,
+    ``vocab_size``) come first; the row passes read this object as that transform.
+
+    reduction: "mean" (over valid labels), "sum", "items" (sum / num_items_in_batch) for a scalar loss, or None
+    for per-token outputs. backend: as asked ("auto", "triton", "torch"); use_triton: what it resolved to for
+    the call's tensors. shift: labels are shifted before the chunked op (which never reads it). needs_grad:
+    whether (hidden, weight, bias) get gradients; needs_low_rank_grad: whether the low-rank term's (hidden,
+    weight) do. want: whether to compute (entropy, is_top1, mean_logit, log_sum_sq). chunk_size: rows per
+    chunk, None for the default. skip_ignored / num_valid_tokens: process the valid rows only (see
+    :func:`..core.checks.selected_rows`). precompute_grad: see :func:`fused_linear_log_probs`. shard: the
+    weight is this rank's shard of a vocabulary split across a process group (vocab_parallel.py; ``vocab_size``
+    is then the whole vocabulary's, and ``want`` all False); never through the custom operators.
     """
 
-    transform: LogitTransform
-    reduction: str | None
-    use_triton: bool
-    needs_grad: tuple[bool, bool, bool]
+    reduction: str | None = "mean"
+    backend: str = "auto"
+    use_triton: bool = False
+    shift: bool = False
+    needs_grad: tuple[bool, bool, bool] = (False, False, False)
+    needs_low_rank_grad: tuple[bool, bool] = (False, False)
     want: tuple[bool, bool, bool, bool] = (False, False, False, False)
     chunk_size: int | None = None
     skip_ignored: bool = False
     num_valid_tokens: int | None = None
     precompute_grad: bool = False
-    shard: VocabShard | None = None
-    needs_low_rank_grad: tuple[bool, bool] = (False, False)
+    shard: VocabShard | None = dataclasses.field(default=None, metadata={OPERATOR: False})
+
+    def __post_init__(self) -> None:
+        check_int("ignore_index", self.ignore_index)
+        check_real("softcap", self.softcap, positive=True, allow_none=True)
+        check_real("logit_scale", self.logit_scale)
+        check_real("temperature", self.temperature, positive=True)
+        check_real("label_smoothing", self.label_smoothing, minimum=0.0, maximum=1.0)
+        check_real("z_loss", self.z_loss, minimum=0.0)
+        check_int("vocab_size", self.vocab_size, minimum=1, allow_none=True)
+        if self.reduction is not None and self.reduction not in REDUCTIONS:
+            fail(f"unknown reduction {self.reduction!r}; expected one of {REDUCTIONS} or None")
+        if self.backend not in BACKENDS:
+            fail(f"unknown backend {self.backend!r}; expected one of {BACKENDS}")
+        check_int("chunk_size", self.chunk_size, minimum=1, allow_none=True)
+        check_int("num_valid_tokens", self.num_valid_tokens, minimum=0, allow_none=True)
+        for name in ("use_triton", "shift", "skip_ignored", "precompute_grad"):
+            check_flag(name, getattr(self, name))
+        # Python numbers of the schema's types from any real or integral number (a numpy scalar, say)
+        for name in ("softcap", "logit_scale", "temperature", "label_smoothing", "z_loss"):
+            value = getattr(self, name)
+            if value is not None and type(value) is not float:
+                object.__setattr__(self, name, float(value))
+        for name in ("ignore_index", "vocab_size", "chunk_size", "num_valid_tokens"):
+            value = getattr(self, name)
+            if value is not None and type(value) is not int:
+                object.__setattr__(self, name, int(value))
+
+    @property
+    def scalar(self) -> bool:
+        """Whether the loss is one number (its gradients are then computed in the forward)."""
+        return self.reduction is not None
+
+    @property
+    def selects_rows(self) -> bool:
+        """Whether only the rows with a valid label are processed."""
+        return self.skip_ignored or self.num_valid_tokens is not None
+
+    @property
+    def any_grad(self) -> bool:
+        return any(self.needs_grad) or any(self.needs_low_rank_grad)
+
+
+SCHEMA = OptionsSchema(CrossEntropyOptions)

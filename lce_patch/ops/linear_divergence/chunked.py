@@ -33,20 +33,19 @@ G in place, and adds each chunk's ``G.T @ hidden_c`` into dW as the cross-entrop
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 
-from ..core.backend import HAS_TRITON, next_power_of_2, scale_inplace, stats_dtype
+from ..core.backend import HAS_TRITON, next_power_of_2, stats_dtype
 from ..core.checks import check_num_items
 from ..core.chunking import chunk_spans
 from ..core.chunking import default_chunk_rows as gemm_chunk_rows
-from ..core.grads import GradAccumulator, matmul_into
+from ..core.grads import GradAccumulator, matmul_into, scaled_by_upstream
+from .options import OP_NAME, DivergenceOptions
 
 if HAS_TRITON:
     from .kernels import launch_divergence
 
-OP_NAME = "fused_linear_divergence"
 DEFAULT_LOGITS_BUDGET_BYTES = 256 * 1024 * 1024  # torch rows: one [chunk_rows, V] fp32 buffer
 # Triton rows: vocabulary block per loop iteration of the one-program-per-row kernel, and its warps.
 _BLOCK_V = 2048
@@ -54,18 +53,6 @@ _NUM_WARPS = 8
 # Running the next chunk's teacher GEMM on a second CUDA stream beside this chunk's memory-bound row kernel
 # gained nothing on the H100 (Qwen2.5-1.5B <- 7B, N 4096: 19.14 ms serial vs 19.65 overlapped at the
 # default chunking, and slower or equal at 1024-2048 rows) and costs a second teacher buffer: not done.
-
-
-@dataclass(frozen=True)
-class DivergenceOptions:
-    beta: float
-    temperature: float
-    softcap: float | None
-    teacher_softcap: float | None
-    logit_scale: float
-    teacher_logit_scale: float
-    chunk_rows: int
-    use_triton: bool = False
 
 
 def default_chunk_rows(
@@ -161,43 +148,17 @@ def chunk_pass(
     return divergence, entropy, grad
 
 
-class _Grads:
-    """dh, dW (fp32 accumulator) and dbias of the student, filled chunk by chunk."""
-
-    def __init__(self, hidden, weight, bias, needs):
-        self.needs_hidden, self.needs_weight, self.needs_bias = needs
-        self.dh = torch.empty_like(hidden) if self.needs_hidden else None
-        acc = torch.promote_types(weight.dtype, torch.float32)
-        self.dw = torch.zeros(weight.shape, dtype=acc, device=weight.device) if self.needs_weight else None
-        self.db = torch.zeros(weight.shape[0], dtype=acc, device=weight.device) if self.needs_bias else None
-        self.weight = weight
-
-    def add(self, start: int, end: int, grad: torch.Tensor, hidden_c: torch.Tensor) -> None:
-        low = grad.to(self.weight.dtype)
-        if self.dh is not None:
-            self.dh[start:end] = low @ self.weight
-        if self.dw is not None:
-            self.dw += (low.T @ hidden_c).to(self.dw.dtype)
-        if self.db is not None:
-            self.db += grad.sum(0).to(self.db.dtype)
-
-    def results(self, weight_dtype, bias_dtype):
-        dw = None if self.dw is None else self.dw.to(weight_dtype)
-        db = None if self.db is None else self.db.to(bias_dtype)
-        return self.dh, dw, db
-
-
 def _mode(beta: float) -> int:
     return 0 if beta == 0 else 1 if beta == 1 else 2
 
 
-def _run_triton_chunks(hidden, teacher_hidden, weight, bias, teacher_weight, teacher_bias, options, row_coeff, needs):
+def _run_triton_chunks(hidden, teacher_hidden, weight, bias, teacher_weight, teacher_bias, options, row_coeff):
     num_rows, vocab = hidden.shape[0], weight.shape[0]
     divergence = torch.empty(num_rows, dtype=torch.float32, device=hidden.device)
     entropy = torch.empty(num_rows, dtype=torch.float32, device=hidden.device)
     grads = None
     if row_coeff is not None:
-        grads = GradAccumulator(hidden, weight, bias, *needs)
+        grads = GradAccumulator(hidden, weight, bias, *options.needs_grad)
         row_coeff = row_coeff.float()
     # addmm's bias must have the product's dtype (a bias in another dtype: a copy of V elements)
     bias = None if bias is None else bias.to(weight.dtype)
@@ -231,17 +192,17 @@ def _run_triton_chunks(hidden, teacher_hidden, weight, bias, teacher_weight, tea
     return divergence, entropy, grads
 
 
-def run_chunks(hidden, teacher_hidden, weight, bias, teacher_weight, teacher_bias, options, row_coeff, needs):
+def run_chunks(hidden, teacher_hidden, weight, bias, teacher_weight, teacher_bias, options, row_coeff):
     """Per-token divergence and entropy [N] (fp32 or wider), and the gradients when ``row_coeff`` is given."""
     if options.use_triton:
         return _run_triton_chunks(
-            hidden, teacher_hidden, weight, bias, teacher_weight, teacher_bias, options, row_coeff, needs
+            hidden, teacher_hidden, weight, bias, teacher_weight, teacher_bias, options, row_coeff
         )
     num_rows = hidden.shape[0]
     dtype = torch.promote_types(weight.dtype, torch.float32)
     divergence = torch.empty(num_rows, dtype=dtype, device=hidden.device)
     entropy = torch.empty(num_rows, dtype=dtype, device=hidden.device)
-    grads = _Grads(hidden, weight, bias, needs) if row_coeff is not None else None
+    grads = GradAccumulator(hidden, weight, bias, *options.needs_grad) if row_coeff is not None else None
     for start, end in chunk_spans(num_rows, options.chunk_rows):
         hidden_c = hidden[start:end]
         coeff = None if row_coeff is None else row_coeff[start:end]
@@ -251,7 +212,7 @@ def run_chunks(hidden, teacher_hidden, weight, bias, teacher_weight, teacher_bia
         divergence[start:end] = div_c
         entropy[start:end] = ent_c
         if grads is not None:
-            grads.add(start, end, grad, hidden_c)
+            grads.add(grad.to(weight.dtype), hidden_c, slice(start, end))
     return divergence, entropy, grads
 
 
@@ -275,21 +236,21 @@ def loss_scale(row_weight: torch.Tensor, num_items: torch.Tensor | None, reducti
 
 
 def divergence_forward(
-    hidden, weight, bias, teacher_hidden, teacher_weight, teacher_bias, row_weight, num_items, reduction, options, needs
+    hidden, weight, bias, teacher_hidden, teacher_weight, teacher_bias, row_weight, num_items, options
 ):
     """(loss, entropy, (dh, dW, db) or None): the loss 0-d for a scalar reduction (with its gradients, scaled by
-    the reduction, when ``needs`` asks for any) or [N] per token; fp32 (fp64 for fp64 inputs)."""
-    scale = loss_scale(row_weight, num_items, reduction)
+    the reduction, when ``options.needs_grad`` asks for any) or [N] per token; fp32 (fp64 for fp64 inputs)."""
+    scale = loss_scale(row_weight, num_items, options.reduction)
     grads = None
-    if scale is not None and any(needs):
+    if scale is not None and any(options.needs_grad):
         divergence, entropy, accumulator = run_chunks(
-            hidden, teacher_hidden, weight, bias, teacher_weight, teacher_bias, options, row_weight * scale, needs
+            hidden, teacher_hidden, weight, bias, teacher_weight, teacher_bias, options, row_weight * scale
         )
         grads = accumulator.results(weight.dtype, None if bias is None else bias.dtype)
     else:
         with torch.no_grad():
             divergence, entropy, _ = run_chunks(
-                hidden, teacher_hidden, weight, bias, teacher_weight, teacher_bias, options, None, needs
+                hidden, teacher_hidden, weight, bias, teacher_weight, teacher_bias, options, None
             )
     divergence = torch.where(
         row_weight != 0, divergence, torch.zeros((), dtype=divergence.dtype, device=divergence.device)
@@ -299,53 +260,49 @@ def divergence_forward(
     return out.to(out_dtype), entropy.to(out_dtype), grads
 
 
-def divergence_backward(
-    hidden, weight, bias, teacher_hidden, teacher_weight, teacher_bias, row_weight, grad_out, options, needs
-):
-    """(dh, dW, db) of the per-token loss for the upstream gradients ``grad_out`` [N], recomputing each chunk."""
+def divergence_backward(saved: tuple, grad_out: torch.Tensor | None, options: DivergenceOptions, *, in_place: bool):
+    """The op's one backward, for the autograd Function (eager calls, ``in_place``) and the custom operator
+    (compiled calls) alike: (dh, dW, db).
+
+    A scalar loss: ``saved`` holds the gradients its forward computed, scaled here by ``grad_out`` (0-d).
+    Per-token losses: ``saved`` holds the forward's tensors (hidden, weight, bias, teacher_hidden,
+    teacher_weight, teacher_bias, row_weight); each chunk is recomputed with its rows' upstream gradients
+    ``grad_out`` [N].
+    """
+    if options.scalar:
+        return scaled_by_upstream(saved, grad_out, in_place=in_place, use_triton=options.use_triton)
+    if grad_out is None:
+        return None, None, None
+    hidden, weight, bias, teacher_hidden, teacher_weight, teacher_bias, row_weight = saved
     coeff = grad_out.to(row_weight.dtype) * row_weight
-    _, _, grads = run_chunks(hidden, teacher_hidden, weight, bias, teacher_weight, teacher_bias, options, coeff, needs)
+    _, _, grads = run_chunks(hidden, teacher_hidden, weight, bias, teacher_weight, teacher_bias, options, coeff)
     return grads.results(weight.dtype, None if bias is None else bias.dtype)
 
 
 class LinearDivergenceFunction(torch.autograd.Function):
-    """Inputs are 2-D ([N, D], [N, D_t]); ``row_weight`` [N] is 1 for selected rows and 0 elsewhere;
-    ``num_items`` a 0-d tensor or None; ``reduction`` "mean", "sum" or "none"."""
+    """The op for eager calls. Inputs are 2-D ([N, D], [N, D_t]); ``row_weight`` [N] is 1 for selected rows
+    and 0 elsewhere; ``num_items`` a 0-d tensor or None; then the :class:`DivergenceOptions`."""
 
     @staticmethod
-    def forward(ctx, *inputs):
-        """``inputs``: hidden, weight, bias, teacher_hidden, teacher_weight, teacher_bias, row_weight, num_items,
-        reduction, options."""
-        bias, options = inputs[2], inputs[-1]
-        needs = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[2])
-        ctx.options, ctx.needs, ctx.backward_done = options, needs, False
-        out, entropy, grads = divergence_forward(*inputs, needs)
-        if grads is not None:
-            ctx.save_for_backward(*[g for g in grads if g is not None])
-            ctx.schedule = "scalar"
-        else:
-            ctx.save_for_backward(*inputs[:7])  # the tensors, up to row_weight
-            ctx.schedule = "recompute"
+    def forward(
+        ctx, hidden, weight, bias, teacher_hidden, teacher_weight, teacher_bias, row_weight, num_items, options
+    ):
+        ctx.options, ctx.backward_done = options, False
+        tensors = (hidden, weight, bias, teacher_hidden, teacher_weight, teacher_bias, row_weight)
+        out, entropy, grads = divergence_forward(*tensors, num_items, options)
+        ctx.save_for_backward(*(grads or (None,) * 3) if options.scalar else tensors)
         ctx.mark_non_differentiable(entropy)
         return out, entropy
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out, _grad_entropy):
-        needs = ctx.needs
-        nones = (None,) * 7
-        if ctx.schedule == "scalar":
+        if ctx.options.scalar:
             if ctx.backward_done:
                 raise RuntimeError(
                     f"{OP_NAME}: backward through the same scalar loss twice is not supported "
                     "(its gradients were computed in the forward and are scaled in place)."
                 )
             ctx.backward_done = True
-            saved = iter(ctx.saved_tensors)
-            dh, dw, db = (next(saved) if need else None for need in needs)
-            for grad in (dh, dw, db):
-                if grad is not None:  # free on Triton when grad_out is exactly 1 (no host sync to test it)
-                    scale_inplace(grad, grad_out, ctx.options.use_triton)
-            return dh, dw, db, *nones
-        dh, dw, db = divergence_backward(*ctx.saved_tensors, grad_out, ctx.options, needs)
-        return dh, dw, db, *nones
+        dh, dw, db = divergence_backward(ctx.saved_tensors, grad_out, ctx.options, in_place=True)
+        return dh, dw, db, *(None,) * 6

@@ -3,19 +3,17 @@ either model's ``[N, V]`` logits in memory."""
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from ..core import checks
 from ..core.backend import resolve_backend
-from .chunked import OP_NAME, DivergenceOptions, LinearDivergenceFunction, default_chunk_rows
+from .chunked import LinearDivergenceFunction, default_chunk_rows
 from .custom_op import compiled_linear_divergence
+from .options import OP_NAME, REDUCTIONS, DivergenceOptions
+from .options import check_real as _real
+from .options import fail as _fail
 
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
-_REDUCTIONS = ("mean", "sum", "none")
-_fail = functools.partial(checks.fail, op_name=OP_NAME)
-_real = functools.partial(checks.check_real, op_name=OP_NAME)
 
 
 def _check(hidden, weight, bias, teacher_hidden, teacher_weight, teacher_bias, mask) -> None:
@@ -135,8 +133,8 @@ def fused_linear_divergence(
     _real("teacher_softcap", teacher_softcap, positive=True, allow_none=True)
     _real("logit_scale", logit_scale)
     _real("teacher_logit_scale", teacher_logit_scale)
-    if reduction not in _REDUCTIONS:
-        _fail(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
+    if reduction not in REDUCTIONS:
+        _fail(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
     use_triton = resolve_backend(backend, hidden.device, hidden.dtype, OP_NAME)
     if use_triton and teacher_hidden.dtype == torch.float64:
         _fail("the triton backend supports float32, float16 and bfloat16; use backend='torch' for a float64 teacher")
@@ -160,6 +158,7 @@ def fused_linear_divergence(
     num_items = None
     if num_items_in_batch is not None:
         num_items = checks.num_items_tensor(num_items_in_batch, hidden.device, OP_NAME)
+    grad_on = torch.is_grad_enabled()
     options = DivergenceOptions(
         beta=float(beta),
         temperature=float(temperature),
@@ -169,17 +168,23 @@ def fused_linear_divergence(
         teacher_logit_scale=float(teacher_logit_scale),
         chunk_rows=chunk_size or _default_chunk_rows(num_rows, vocab, hidden, use_triton),
         use_triton=use_triton,
+        reduction=reduction,
+        needs_grad=(
+            grad_on and hidden.requires_grad,
+            grad_on and weight.requires_grad,
+            grad_on and bias is not None and bias.requires_grad,
+        ),
     )
     if num_rows == 0:
         loss = (hidden_2d.sum() * 0).float() if reduction != "none" else hidden_2d.new_zeros(0, dtype=torch.float32)
         entropy = hidden_2d.new_zeros(0, dtype=torch.float32)
     elif torch.compiler.is_compiling():
         loss, entropy = compiled_linear_divergence(
-            hidden_2d, weight, bias, teacher_2d, teacher_weight, teacher_bias, row_weight, num_items, reduction, options
+            hidden_2d, weight, bias, teacher_2d, teacher_weight, teacher_bias, row_weight, num_items, options
         )
     else:
         loss, entropy = LinearDivergenceFunction.apply(
-            hidden_2d, weight, bias, teacher_2d, teacher_weight, teacher_bias, row_weight, num_items, reduction, options
+            hidden_2d, weight, bias, teacher_2d, teacher_weight, teacher_bias, row_weight, num_items, options
         )
     if reduction == "none":
         loss = loss.reshape(leading)
