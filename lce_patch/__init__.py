@@ -10,6 +10,7 @@ from .ops import (
     fused_linear_cross_entropy,
     fused_linear_divergence,
     fused_linear_log_probs,
+    fused_linear_sparse_divergence,
 )
 
 __version__ = "0.2.0"
@@ -24,6 +25,7 @@ __all__ = [
     "fused_linear_cross_entropy",
     "fused_linear_divergence",
     "fused_linear_log_probs",
+    "fused_linear_sparse_divergence",
     "revert_fused_lce",
     "supported_architectures",
 ]

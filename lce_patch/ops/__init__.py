@@ -9,6 +9,7 @@ from .linear_cross_entropy import (
     start_valid_token_count,
 )
 from .linear_divergence import fused_linear_divergence
+from .linear_sparse_divergence import fused_linear_sparse_divergence
 
 __all__ = [
     "FusedLinearCrossEntropy",
@@ -17,5 +18,6 @@ __all__ = [
     "fused_linear_cross_entropy",
     "fused_linear_divergence",
     "fused_linear_log_probs",
+    "fused_linear_sparse_divergence",
     "start_valid_token_count",
 ]
