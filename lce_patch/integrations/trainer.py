@@ -16,8 +16,11 @@ TRL trainers that score a reference model inside ``__init__`` (DPO and KTO with
 ``precompute_ref_log_probs=True``) have that pass served too: the callback wraps the trainer's
 ``_precompute_ref_logps`` at the end of ``Trainer.__init__``, on that trainer instance only.
 
-TRL's ``DistillationTrainer`` computes its loss with :func:`lce_patch.fused_linear_divergence` (see
-``trl_distillation.py``).
+TRL's ``DistillationTrainer`` and experimental ``GKDTrainer`` compute their loss with
+:func:`lce_patch.fused_linear_divergence` (see ``trl_distillation.py``, ``trl_gkd.py``); the experimental
+``ORPOTrainer``, ``CPOTrainer``, ``TPOTrainer`` and ``OnlineDPOTrainer`` their log-probabilities with
+:func:`lce_patch.fused_linear_log_probs` (see ``trl_preference.py``, ``trl_experimental.py``); the experimental
+trainers left on TRL's path are warned about.
 """
 
 from __future__ import annotations
@@ -179,6 +182,10 @@ class FusedLCECallback(TrainerCallback):
             from .trl_gkd import serve_gkd_trainer
 
             serve_gkd_trainer(trainer, self.options)  # TRL's experimental GKDTrainer: the fused divergence
+        if any(cls.__module__.startswith("trl.experimental.") for cls in type(trainer).__mro__):
+            from .trl_experimental import serve_experimental_trainer
+
+            serve_experimental_trainer(trainer, self.options)  # ORPO, CPO, TPO, Online DPO: the fused log-probs
 
     def on_init_end(self, args, state, control, model=None, **kwargs):
         self.check_args(args)

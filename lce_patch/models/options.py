@@ -17,6 +17,7 @@ from ..ops.linear_cross_entropy.options import OP_NAME, CrossEntropyOptions
 # Where apply_fused_lce stores the LCEOptions: on the instance, or on the class for a class patch.
 OPTIONS_ATTR = "_lce_patch_options"
 
+
 @dataclass(frozen=True)
 class LCEOptions:
     """Options of a patched model (stored on the model instance, or on the class for a class patch)."""
