@@ -19,7 +19,8 @@ Methods: lce_patch (backend triton, default chunking), lce_patch_skip
 (the same with skip_ignored=True: matmuls on the non-ignored rows only, given the count of those rows as
 a patched model is: it starts the count before the decoder runs, so reading it stalls nothing; here it is
 taken once outside the timed region), lce_patch_skip_sync (opt-in: the op counts the rows itself, a
-host sync inside the timed region), lce_patch_skip[c=N] (``--chunk-sizes``: lce_patch_skip with
+host sync inside the timed region), lce_patch_fp32dw (opt-in: lce_patch with ``fp32_weight_grad=True``),
+lce_patch_skip[c=N] (``--chunk-sizes``: lce_patch_skip with
 chunk_size=N), unfused (F.linear,
 float, F.cross_entropy; softcap in bf16 as Hugging Face does), compile (torch.compile of unfused), liger
 (LigerFusedLinearCrossEntropyLoss 0.8.5), cce (cut_cross_entropy.linear_cross_entropy, default filter),
@@ -71,11 +72,15 @@ SHAPES = {
     "llama3-8b-n1024": (1024, 4096, 128256, None, False),
     "llama3-8b-n4096": (4096, 4096, 128256, None, False),
     "llama3-8b-n16384": (16384, 4096, 128256, None, False),
+    "llama3-8b-n32768": (32768, 4096, 128256, None, False),
+    "llama3-8b-n65536": (65536, 4096, 128256, None, False),
+    "gemma2-2b-n32768": (32768, 2304, 256000, 30.0, False),
+    "gemma2-2b-n65536": (65536, 2304, 256000, 30.0, False),
     "qwen2.5-7b": (8192, 3584, 152064, None, False),
     "mistral-7b": (8192, 4096, 32768, None, False),
 }
 METHODS = ("lce_patch", "lce_patch_skip", "unfused", "compile", "liger", "cce", "trl")
-OPTIONAL_METHODS = ("cce_nofilter", "lce_patch_tokens", "lce_patch_skip_sync")
+OPTIONAL_METHODS = ("cce_nofilter", "lce_patch_tokens", "lce_patch_skip_sync", "lce_patch_fp32dw")
 FWD_ONLY = ("lce_patch", "lce_patch_skip", "lce_patch_skip_sync", "unfused", "compile")
 
 
@@ -110,6 +115,10 @@ def build(method: str, h, w, y, softcap):
         from lce_patch import fused_linear_cross_entropy
 
         return lambda: fused_linear_cross_entropy(h, w, y, softcap=softcap, backend="triton")
+    if method == "lce_patch_fp32dw":
+        from lce_patch import fused_linear_cross_entropy
+
+        return lambda: fused_linear_cross_entropy(h, w, y, softcap=softcap, backend="triton", fp32_weight_grad=True)
     if method == "lce_patch_skip_sync":
         from lce_patch import fused_linear_cross_entropy
 

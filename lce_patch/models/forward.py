@@ -143,6 +143,7 @@ class LossJob:
             num_valid_tokens=num_valid_tokens,
             low_rank_hidden=low_rank[0] if low_rank is not None else None,
             low_rank_weight=low_rank[1] if low_rank is not None else None,
+            fp32_weight_grad=self.options.fp32_weight_grad,
         )
         self.loss = self._as_hugging_face(loss, targets, shift, num_valid_tokens)
         if self.want_logits:  # evaluation that keeps the logits: the head's real output, the loss still fused

@@ -29,6 +29,7 @@ class LCEOptions:
     chunk_size: int | None = None
     deterministic: bool = False
     skip_ignored: bool = True
+    fp32_weight_grad: bool = False
     # None: evaluation returns the logits like the unpatched model, except where the caller needs the
     # loss only (``loss_only()``, ``skip_logits=True``); False: never; True: always
     return_logits_in_eval: bool | None = None
@@ -43,6 +44,7 @@ class LCEOptions:
                 backend=self.backend,
                 chunk_size=self.chunk_size,
                 skip_ignored=self.skip_ignored,
+                fp32_weight_grad=self.fp32_weight_grad,
             )
         except ValueError as error:  # the op's message, under the name the user called
             raise ValueError(str(error).replace(f"{OP_NAME}:", "lce_patch:", 1)) from None

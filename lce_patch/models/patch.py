@@ -258,7 +258,7 @@ def apply_fused_lce(model_or_model_type: Any, **options: Any) -> Any:
     ``model_or_model_type`` is a loaded model (a Hugging Face CausalLM or a PEFT model around one, patched
     in place and returned) or a ``config.model_type`` string (that architecture's classes are patched, for
     models loaded afterwards; the tuple of patched classes is returned). Options: ``ignore_index``, ``label_smoothing``,
-    ``z_loss``, ``backend``, ``chunk_size``, ``deterministic``, ``skip_ignored``, ``return_logits_in_eval``
+    ``z_loss``, ``backend``, ``chunk_size``, ``deterministic``, ``skip_ignored``, ``fp32_weight_grad``, ``return_logits_in_eval``
     (evaluation with labels runs the model's own forward and returns the logits), ``allow_unregistered``
     (patch a model of an unregistered type after checking its fused loss and gradients against its own).
     Patching again replaces the options.

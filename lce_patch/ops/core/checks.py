@@ -65,6 +65,17 @@ def check_labels(labels: torch.Tensor, vocab_size: int, ignore_index: int, op_na
         )
 
 
+def check_weights(weights: torch.Tensor, name: str, op_name: str) -> None:
+    """Loss weights must be finite and >= 0. On CUDA an asynchronous device assert, no sync."""
+    ok = (torch.isfinite(weights) & (weights >= 0)).all()
+    if weights.device.type != "cuda":
+        if not bool(ok):
+            bad = weights[~(torch.isfinite(weights) & (weights >= 0))][0].item()
+            fail(f"{name} must be finite and >= 0, got {bad}", op_name)
+    else:
+        torch._assert_async(ok, f"{op_name}: {name} must be finite and >= 0")
+
+
 def num_items_tensor(num_items_in_batch, device: torch.device, op_name: str) -> torch.Tensor:
     """``num_items_in_batch`` (a number or a one-element real tensor) as a 0-d tensor on ``device``; its
     value is checked inside the op (:func:`check_num_items`)."""

@@ -105,6 +105,7 @@ class GradAccumulator:
         row_index=None,
         low_rank: LowRank | None = None,
         needs_low_rank: tuple[bool, bool] = (False, False),
+        fp32_weight_grad: bool = False,
     ):
         self.weight = weight
         self.low_rank = low_rank
@@ -122,9 +123,9 @@ class GradAccumulator:
         if needs_hidden:
             make = torch.empty if row_index is None else torch.zeros
             self.dh = make(hidden.shape, dtype=hidden.dtype, device=hidden.device)
-        # fp16 lacks the range to hold a sum over many tokens: accumulate its dW in fp32.
-        # bf16 and fp32 add each chunk's GEMM result into dW in place (one rounding per chunk).
-        self.dw_fp32 = weight.dtype == torch.float16
+        # fp16 lacks the range to hold a sum over many tokens: accumulate its dW in fp32. bf16 and fp32 add
+        # each chunk's GEMM result into dW in place (one rounding per chunk), bf16 in fp32 on request.
+        self.dw_fp32 = weight.dtype == torch.float16 or (fp32_weight_grad and weight.dtype == torch.bfloat16)
         dw_dtype = torch.float32 if self.dw_fp32 else weight.dtype
         self.dw = torch.empty(weight.shape, dtype=dw_dtype, device=weight.device) if needs_weight else None
         db_dtype = stats_dtype(bias.dtype) if needs_bias else None

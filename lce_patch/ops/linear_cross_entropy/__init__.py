@@ -1,6 +1,7 @@
 """Fused linear + cross-entropy: kernels, chunked autograd Function, public op, naive reference."""
 
 from .functional import (
+    CrossEntropyOutputs,
     FusedLinearCrossEntropy,
     TokenOutputs,
     fused_linear_cross_entropy,
@@ -11,6 +12,7 @@ from .naive import naive_distribution_statistics, naive_linear_cross_entropy, na
 from .vocab_parallel import VocabShard
 
 __all__ = [
+    "CrossEntropyOutputs",
     "FusedLinearCrossEntropy",
     "TokenOutputs",
     "VocabShard",

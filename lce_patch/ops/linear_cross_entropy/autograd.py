@@ -123,16 +123,31 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
 
     Inputs: hidden [N, D], weight [V, D], bias [V] or None (all one float dtype, any strides), labels [N]
     integer, num_items (0-d tensor for ``reduction="items"``, else None), a low-rank term's hidden [N, r] and
-    weight [V, r] or None (:class:`LowRank`, same dtype), then the :class:`CrossEntropyOptions`.
+    weight [V, r] or None (:class:`LowRank`, same dtype), token_weights [N] and class_weights [V] or None (a
+    scalar loss's; no gradient), then the :class:`CrossEntropyOptions`.
     Outputs: loss (0-d, or [N]), entropy [N] (or empty), is_top1 [N] bool (or empty), mean_logit [N]
-    (or empty), log_sum_sq [N] (or empty); fp32, or fp64 for fp64 inputs. mean_logit and log_sum_sq
-    carry no gradient.
+    (or empty), log_sum_sq [N] (or empty), lse [N] (or empty); fp32, or fp64 for fp64 inputs. Only the loss
+    and the entropy carry a gradient.
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, labels, num_items, low_rank_hidden, low_rank_weight, options):
+    def forward(
+        ctx,
+        hidden,
+        weight,
+        bias,
+        labels,
+        num_items,
+        low_rank_hidden,
+        low_rank_weight,
+        token_weights,
+        class_weights,
+        options,
+    ):
         low_rank = None if low_rank_hidden is None else LowRank(low_rank_hidden, low_rank_weight)
-        result = chunked_forward(hidden, weight, bias, labels, num_items, options, low_rank)
+        result = chunked_forward(
+            hidden, weight, bias, labels, num_items, options, low_rank, token_weights, class_weights
+        )
         # Outputs that get no gradient (entropy logged as a metric, say) arrive as None, not as
         # zeros, so the backward can skip their terms.
         ctx.set_materialize_grads(False)
@@ -143,10 +158,11 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
 
         entropy, is_top1 = given(result.entropy), given(result.is_top1, torch.bool)
         mean_logit, log_sum_sq = given(result.mean_logit), given(result.log_sum_sq)
-        ctx.mark_non_differentiable(is_top1, mean_logit, log_sum_sq)
-        outputs = (result.loss, entropy, is_top1, mean_logit, log_sum_sq)
+        lse = given(result.lse_out)
+        # one call: each call of mark_non_differentiable replaces the set the last one made
+        ctx.mark_non_differentiable(is_top1, mean_logit, log_sum_sq, lse, *((entropy,) if options.scalar else ()))
+        outputs = (result.loss, entropy, is_top1, mean_logit, log_sum_sq, lse)
         if options.scalar:
-            ctx.mark_non_differentiable(entropy)
             ctx.save_for_backward(*(result.grads or (None,) * 5))
             return outputs
         if options.any_grad:
@@ -167,7 +183,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         return outputs
 
     @staticmethod
-    def backward(ctx, grad_loss, grad_entropy, _grad_top1, _grad_mean_logit, _grad_log_sum_sq):
+    def backward(ctx, grad_loss, grad_entropy, _grad_top1, _grad_mean_logit, _grad_log_sum_sq, _grad_lse):
         _refuse_double_backward()
         if ctx.options.scalar:
             if ctx.backward_done:
@@ -185,4 +201,4 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             saved = Saved(*tensors, row_index=row_index, precomputed=precomputed)
         grads = op_backward(ctx.options, saved, grad_loss, grad_entropy, ctx.chunks, in_place=True)
         dh, dw, db, d_low_rank_hidden, d_low_rank_weight = grads
-        return dh, dw, db, None, None, d_low_rank_hidden, d_low_rank_weight, None
+        return dh, dw, db, None, None, d_low_rank_hidden, d_low_rank_weight, None, None, None

@@ -45,7 +45,7 @@ from typing import NamedTuple
 import torch
 
 from ..core.backend import stats_dtype
-from ..core.checks import check_labels, check_num_items, selected_rows
+from ..core.checks import check_labels, check_num_items, check_weights, selected_rows
 from ..core.chunking import buffer_rows, resolve_chunks
 from ..core.grads import GradAccumulator, LowRank, fp32_output_gemm_available, logits_into
 from .options import OP_NAME, CrossEntropyOptions
@@ -90,11 +90,25 @@ def _scatter_rows(out: RowOutputs, row_index: torch.Tensor, total_rows: int) -> 
     return RowOutputs(*(place(t) for t in vars(out).values()))
 
 
+def _accumulator(hidden, weight, bias, row_index, low_rank, options: CrossEntropyOptions) -> GradAccumulator:
+    return GradAccumulator(
+        hidden,
+        weight,
+        bias,
+        *options.needs_grad,
+        row_index,
+        low_rank,
+        options.needs_low_rank_grad,
+        options.fp32_weight_grad,
+    )
+
+
 class ForwardOutputs(NamedTuple):
     """What :func:`chunked_forward` computes.
 
     loss: 0-d for a scalar loss, else [N] (0 where ignored); entropy, is_top1 (bool), mean_logit,
-    log_sum_sq: [N] (0 / False where ignored) or None when not wanted. For the backward: ``row_index`` (the processed rows, None for all), their
+    log_sum_sq, lse_out (the log-sum-exp of the final logits): [N] (0 / False where ignored) or None when not
+    wanted. For the backward: ``row_index`` (the processed rows, None for all), their
     ``row_labels`` [M], ``lse`` [M] and ``processed_entropy`` [M] (None without entropy); ``grads``
     (dh, dw, db, d_low_rank_hidden, d_low_rank_weight, each None when not needed) when the gradient
     was computed in the forward, and
@@ -106,6 +120,7 @@ class ForwardOutputs(NamedTuple):
     is_top1: torch.Tensor | None
     mean_logit: torch.Tensor | None
     log_sum_sq: torch.Tensor | None
+    lse_out: torch.Tensor | None
     lse: torch.Tensor
     processed_entropy: torch.Tensor | None
     row_index: torch.Tensor | None
@@ -116,18 +131,50 @@ class ForwardOutputs(NamedTuple):
 
 
 def _reduce_scale(
-    reduction: str | None, num_valid: torch.Tensor, num_items: torch.Tensor | None, dtype: torch.dtype
+    reduction: str | None,
+    num_valid: torch.Tensor,
+    num_items: torch.Tensor | None,
+    dtype: torch.dtype,
+    weight_sum: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
-    """The factor a scalar loss applies to the sum of token losses (0-d), None for per-token outputs."""
+    """The factor a scalar loss applies to the sum of token losses (0-d), None for per-token outputs.
+    ``weight_sum``: the mean's denominator with class weights (the valid labels' weights, as torch's), else the
+    count of valid labels."""
     if reduction is None:
         return None
     if reduction == "mean":
+        if weight_sum is not None:
+            return torch.where(weight_sum > 0, 1.0 / weight_sum.to(dtype), 0.0)
         return 1.0 / num_valid.clamp(min=1).to(dtype)
     if reduction == "sum":
         return torch.ones((), dtype=dtype, device=num_valid.device)
     num_items = num_items.to(device=num_valid.device, dtype=dtype).reshape(())
     check_num_items(num_items, num_valid, op_name=OP_NAME)
     return torch.where(num_items > 0, 1.0 / num_items, 0.0)  # 0 only when no label is valid: a 0 loss
+
+
+def _row_weights(
+    labels: torch.Tensor,
+    valid: torch.Tensor,
+    token_weights: torch.Tensor | None,
+    class_weights: torch.Tensor | None,
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(each row's weight in a scalar loss, 0 where ignored: its token weight times its label's class weight;
+    the sum of the valid labels' class weights, or None without class weights). (None, None) without weights."""
+    if token_weights is None and class_weights is None:
+        return None, None
+    for name, weights in (("token_weights", token_weights), ("class_weights", class_weights)):
+        if weights is not None:
+            check_weights(weights, name, OP_NAME)
+    row_weight = None if token_weights is None else token_weights.to(dtype)
+    weight_sum = None
+    if class_weights is not None:  # labels are checked in range: the ignored rows' gather from 0
+        label_weight = class_weights.to(dtype).index_select(0, torch.where(valid, labels, 0))
+        label_weight = torch.where(valid, label_weight, 0.0)
+        weight_sum = label_weight.sum()
+        row_weight = label_weight if row_weight is None else row_weight * label_weight
+    return torch.where(valid, row_weight, 0.0), weight_sum
 
 
 def chunked_forward(
@@ -138,18 +185,25 @@ def chunked_forward(
     num_items: torch.Tensor | None,
     options: CrossEntropyOptions,
     low_rank: LowRank | None = None,
+    token_weights: torch.Tensor | None = None,
+    class_weights: torch.Tensor | None = None,
 ) -> ForwardOutputs:
     """The chunked forward (see the module docstring), with the checks that read tensor values.
 
     hidden [N, D], weight [V, D], bias [V] or None, ``low_rank``'s tensors: one float dtype, any strides.
-    labels [N] integer. num_items: 0-d tensor for ``reduction="items"``. Runs with autocast off (the
-    caller casts).
+    labels [N] integer. num_items: 0-d tensor for ``reduction="items"``. token_weights [N] and class_weights
+    [V] (any float dtype, a scalar loss only): each valid token's loss times its weight and its label's class
+    weight; the class weights also make "mean" the weighted mean. Runs with autocast off (the caller casts).
     """
     with torch.autocast(hidden.device.type, enabled=False):
-        return _chunked_forward(hidden, weight, bias, labels, num_items, options, low_rank)
+        return _chunked_forward(
+            hidden, weight, bias, labels, num_items, options, low_rank, token_weights, class_weights
+        )
 
 
-def _chunked_forward(hidden, weight, bias, labels, num_items, options: CrossEntropyOptions, low_rank) -> ForwardOutputs:
+def _chunked_forward(
+    hidden, weight, bias, labels, num_items, options: CrossEntropyOptions, low_rank, token_weights, class_weights
+) -> ForwardOutputs:
     use_triton, shard = options.use_triton, options.shard
     labels = labels.contiguous()  # the row kernels index labels by row
     vocab_size = weight.shape[0]
@@ -159,7 +213,8 @@ def _chunked_forward(hidden, weight, bias, labels, num_items, options: CrossEntr
     if options.selects_rows:
         row_index = selected_rows(valid, options.num_valid_tokens, OP_NAME)
     acc_dtype = stats_dtype(hidden.dtype)
-    reduce_scale = _reduce_scale(options.reduction, valid.sum(), num_items, acc_dtype)
+    row_weight, weight_sum = _row_weights(labels, valid, token_weights, class_weights, acc_dtype)
+    reduce_scale = _reduce_scale(options.reduction, valid.sum(), num_items, acc_dtype, weight_sum)
     if shard is not None:  # from here on, labels are ids of the local shard (vocab_parallel.py)
         labels = shard_labels(labels, shard, vocab_size, options.ignore_index)
 
@@ -167,7 +222,7 @@ def _chunked_forward(hidden, weight, bias, labels, num_items, options: CrossEntr
     num_rows = total_rows if row_index is None else row_index.shape[0]
     row_labels = labels if row_index is None else labels.index_select(0, row_index)
     device = hidden.device
-    want_entropy, want_top1, want_mean_logit, want_log_sum_sq = options.want
+    want_entropy, want_top1, want_mean_logit, want_log_sum_sq, want_lse = options.want
     any_grad = options.any_grad
     chunks = resolve_chunks(options.chunk_size, num_rows, hidden, weight, use_triton, any_grad)
     scalar_loss = reduce_scale is not None
@@ -178,6 +233,9 @@ def _chunked_forward(hidden, weight, bias, labels, num_items, options: CrossEntr
     if precompute:
         grad_scale = 1.0 / (row_labels != options.ignore_index).sum().clamp(min=1).to(acc_dtype)
     grad_in_forward = (scalar_loss and any_grad) or precompute
+    if row_weight is not None and row_index is not None:
+        row_weight = row_weight.index_select(0, row_index)  # the processed rows'
+    row_scale = row_weight * grad_scale if row_weight is not None and grad_in_forward else None
 
     def stat_rows():
         return torch.empty(num_rows, dtype=acc_dtype, device=device)
@@ -190,11 +248,7 @@ def _chunked_forward(hidden, weight, bias, labels, num_items, options: CrossEntr
         mean_logit=stat_rows() if want_mean_logit else None,
         log_sum_sq=stat_rows() if want_log_sum_sq else None,
     )
-    grads = (
-        GradAccumulator(hidden, weight, bias, *options.needs_grad, row_index, low_rank, options.needs_low_rank_grad)
-        if grad_in_forward
-        else None
-    )
+    grads = _accumulator(hidden, weight, bias, row_index, low_rank, options) if grad_in_forward else None
     # The buffer holds logits rounded to the compute dtype; the loss reads the target logit once
     # more in fp32 so that rounding does not reach it (fp32 and fp64 buffers need no second look).
     # A vocabulary shard needs the target logit of the labels it owns in every dtype (vocab_parallel.py).
@@ -228,7 +282,9 @@ def _chunked_forward(hidden, weight, bias, labels, num_items, options: CrossEntr
         chunk_out = RowOutputs(*(None if t is None else t[start:stop] for t in vars(out).values()))
         chunk_target = target_raw[start:stop] if target_raw is not None else None
         chunk_factor = row_factor[: stop - start] if row_factor is not None else None
-        chunk_scale = grad_scale if grad_in_forward else None
+        chunk_scale = None
+        if grad_in_forward:
+            chunk_scale = row_scale[start:stop] if row_scale is not None else grad_scale
         if shard_pass is not None:
             shard_pass.run(raw, row_labels[start:stop], chunk_out, chunk_target, chunk_scale)
         else:
@@ -239,7 +295,10 @@ def _chunked_forward(hidden, weight, bias, labels, num_items, options: CrossEntr
             grads.add(raw, hidden_chunk, rows, chunk_factor)
     del buffer, gathered, row_factor
     processed = out  # the processed rows' outputs, which a recompute in backward needs
-    if row_index is not None and not scalar_loss:
+    loss_sum = None
+    if scalar_loss:
+        loss_sum = (out.loss * row_weight).sum() if row_weight is not None else out.loss.sum()
+    if row_index is not None and (not scalar_loss or any(options.want)):
         out = _scatter_rows(out, row_index, total_rows)
     computed = None
     if grads is not None:
@@ -250,11 +309,12 @@ def _chunked_forward(hidden, weight, bias, labels, num_items, options: CrossEntr
         if shard is not None and computed[0] is not None:
             all_reduce_sum(computed[0], shard)  # dh: the sum of every shard's G_r @ W_r
     return ForwardOutputs(
-        loss=out.loss.sum() * reduce_scale if scalar_loss else out.loss,
+        loss=loss_sum * reduce_scale if scalar_loss else out.loss,
         entropy=out.entropy,
         is_top1=out.is_top1.bool() if want_top1 else None,
         mean_logit=out.mean_logit,
         log_sum_sq=out.log_sum_sq,
+        lse_out=torch.where(valid, out.lse, 0.0) if want_lse else None,
         lse=processed.lse,
         processed_entropy=processed.entropy,
         row_index=row_index,
@@ -296,9 +356,7 @@ def chunked_backward(
             if grad_entropy is not None:
                 grad_entropy = grad_entropy.reshape(-1).index_select(0, row_index)
         vocab_size = weight.shape[0]
-        grads = GradAccumulator(
-            hidden, weight, bias, *options.needs_grad, row_index, low_rank, options.needs_low_rank_grad
-        )
+        grads = _accumulator(hidden, weight, bias, row_index, low_rank, options)
         acc_dtype = stats_dtype(hidden.dtype)
         grad_loss = grad_loss.reshape(-1).to(acc_dtype).contiguous() if grad_loss is not None else None
         grad_entropy = grad_entropy.reshape(-1).to(acc_dtype).contiguous() if grad_entropy is not None else None

@@ -33,6 +33,7 @@ from .options import OP_NAME, SCHEMA, CrossEntropyOptions
 
 _INPUTS = "Tensor hidden, Tensor weight, Tensor? bias, Tensor labels"
 _LOW_RANK = "Tensor? low_rank_hidden, Tensor? low_rank_weight"
+_WEIGHTS = "Tensor? token_weights, Tensor? class_weights"
 _GRADS = "Tensor dh, Tensor dw, Tensor db, Tensor d_low_rank_hidden, Tensor d_low_rank_weight"
 
 
@@ -73,15 +74,20 @@ def _fake_grads(options, hidden, weight, bias, low_rank_hidden, low_rank_weight,
     )
 
 
-def _forward(hidden, weight, bias, labels, num_items, low_rank_hidden, low_rank_weight, *values):
+def _forward(
+    hidden, weight, bias, labels, num_items, low_rank_hidden, low_rank_weight, token_weights, class_weights, *values
+):
     """(loss, entropy, is_top1, mean_logit, log_sum_sq, lse, the five gradients, grad_scale); empty tensors for
-    what is not computed. lse is [N] for per-token outputs with gradients (0 where not processed), else empty."""
+    what is not computed. lse is [N] when asked for (0 where ignored) or for per-token outputs with gradients (0
+    where not processed), else empty."""
     options = SCHEMA.build(values)
     low_rank = None if low_rank_hidden is None else LowRank(low_rank_hidden, low_rank_weight)
-    result = chunked_forward(hidden, weight, bias, labels, num_items, options, low_rank)
+    result = chunked_forward(hidden, weight, bias, labels, num_items, options, low_rank, token_weights, class_weights)
     stats = result.loss.dtype
     lse = _empty(hidden, stats)
-    if not options.scalar and options.any_grad:
+    if result.lse_out is not None:
+        lse = result.lse_out
+    elif not options.scalar and options.any_grad:
         lse = result.lse
         if result.row_index is not None:
             lse = torch.zeros(hidden.shape[0], dtype=lse.dtype, device=lse.device).index_copy_(0, result.row_index, lse)
@@ -102,14 +108,14 @@ _forward_op = torch.library.custom_op(
     _forward,
     mutates_args=(),
     schema=(
-        f"({_INPUTS}, Tensor? num_items, {_LOW_RANK}, {SCHEMA.text}) -> (Tensor loss, Tensor entropy, "
+        f"({_INPUTS}, Tensor? num_items, {_LOW_RANK}, {_WEIGHTS}, {SCHEMA.text}) -> (Tensor loss, Tensor entropy, "
         f"Tensor is_top1, Tensor mean_logit, Tensor log_sum_sq, Tensor lse, {_GRADS}, Tensor grad_scale)"
     ),
 )
 
 
 @_forward_op.register_fake
-def _(hidden, weight, bias, labels, num_items, low_rank_hidden, low_rank_weight, *values):
+def _(hidden, weight, bias, labels, num_items, low_rank_hidden, low_rank_weight, token_weights, class_weights, *values):
     options = SCHEMA.build(values)
     rows = hidden.shape[0]
     grads_in_forward = options.any_grad and (options.scalar or options.precompute_grad)
@@ -124,20 +130,21 @@ def _(hidden, weight, bias, labels, num_items, low_rank_hidden, low_rank_weight,
         stats(rows if want[1] else 0, torch.bool),
         stats(rows if want[2] else 0),
         stats(rows if want[3] else 0),
-        stats(rows if not options.scalar and options.any_grad else 0),
+        stats(rows if want[4] or (not options.scalar and options.any_grad) else 0),
         *_fake_grads(options, hidden, weight, bias, low_rank_hidden, low_rank_weight, grads_in_forward),
         stats(() if grads_in_forward and not options.scalar else 0),
     )
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    hidden, weight, bias, labels, _num_items, low_rank_hidden, low_rank_weight, *values = inputs
+    hidden, weight, bias, labels, _num_items, low_rank_hidden, low_rank_weight, _token, _class, *values = inputs
     ctx.options = options = SCHEMA.build(values)
     _loss, entropy, is_top1, mean_logit, log_sum_sq, lse, *grads, grad_scale = output
     ctx.set_materialize_grads(False)
-    ctx.mark_non_differentiable(is_top1, mean_logit, log_sum_sq, lse, *grads, grad_scale)
+    # one call: each call of mark_non_differentiable replaces the set the last one made
+    non_differentiable = (is_top1, mean_logit, log_sum_sq, lse, *grads, grad_scale)
+    ctx.mark_non_differentiable(*non_differentiable, *((entropy,) if options.scalar else ()))
     if options.scalar:
-        ctx.mark_non_differentiable(entropy)
         ctx.save_for_backward(*grads)
     else:
         ctx.save_for_backward(
@@ -167,6 +174,8 @@ def _backward(ctx, grad_loss, grad_entropy, *_unused):
         None,
         d_low_rank_hidden if needs[5] else None,
         d_low_rank_weight if needs[6] else None,
+        None,
+        None,
         *(None,) * len(SCHEMA.names),
     )
 
@@ -238,11 +247,14 @@ def compiled_linear_cross_entropy(
     num_items: torch.Tensor | None,
     low_rank_hidden: torch.Tensor | None,
     low_rank_weight: torch.Tensor | None,
+    token_weights: torch.Tensor | None,
+    class_weights: torch.Tensor | None,
     options: CrossEntropyOptions,
 ) -> tuple[torch.Tensor, ...]:
-    """(loss, entropy, is_top1, mean_logit, log_sum_sq), each None when not wanted, through the custom
+    """(loss, entropy, is_top1, mean_logit, log_sum_sq, lse), each None when not wanted, through the custom
     operator; the arguments are those of :class:`autograd.LinearCrossEntropyFunction`."""
     loss, *wanted = _forward_op(
-        hidden, weight, bias, labels, num_items, low_rank_hidden, low_rank_weight, *SCHEMA.values(options)
-    )
-    return loss, *(value if asked else None for value, asked in zip(wanted[:4], options.want, strict=True))
+        hidden, weight, bias, labels, num_items, low_rank_hidden, low_rank_weight, token_weights, class_weights,
+        *SCHEMA.values(options),
+    )  # fmt: skip
+    return loss, *(value if asked else None for value, asked in zip(wanted[:5], options.want, strict=True))

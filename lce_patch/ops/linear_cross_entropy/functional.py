@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -16,6 +17,19 @@ from .vocab_parallel import VocabShard, check_shard, is_dtensor, unwrap_dtensors
 
 _REDUCTIONS = ("mean", "sum", "none")
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+class CrossEntropyOutputs(NamedTuple):
+    """:func:`fused_linear_cross_entropy`'s outputs with ``return_lse`` or ``return_token_accuracy``.
+
+    loss: as without them (fp32, 0-d or per token). lse: fp32 per-token log-sum-exp of the final logits, shaped
+    like ``labels``, 0 where ignored, no gradient; or None. token_accuracy: fp32 0-d, the fraction of valid tokens
+    whose label is the argmax (first index on ties), no gradient; or None.
+    """
+
+    loss: torch.Tensor
+    lse: torch.Tensor | None = None
+    token_accuracy: torch.Tensor | None = None
 
 
 class TokenOutputs(NamedTuple):
@@ -100,6 +114,37 @@ def _low_rank_inputs(low_rank_hidden, low_rank_weight, hidden, weight) -> tuple 
     return low_rank_hidden.to(hidden.dtype).reshape(-1, rank), low_rank_weight.to(hidden.dtype)
 
 
+def _loss_weights(token_weights, class_weights, label_shape, vocab_size, device, options) -> tuple:
+    """(token_weights [N], class_weights [V]) checked and flattened, None where not given. They weigh a scalar
+    loss and get no gradient."""
+    if token_weights is None and class_weights is None:
+        return None, None
+    if not options.scalar:
+        fail("token_weights and class_weights weigh a scalar loss; with reduction='none' multiply the losses")
+    if class_weights is not None and options.label_smoothing:
+        fail("class_weights cannot be combined with label_smoothing yet")
+    checked = []
+    for name, value, shape in (
+        ("token_weights", token_weights, tuple(label_shape)),
+        ("class_weights", class_weights, (vocab_size,)),
+    ):
+        if value is None:
+            checked.append(None)
+            continue
+        if not isinstance(value, torch.Tensor):
+            fail(f"{name} must be a torch.Tensor or None, got {type(value).__name__}")
+        flat = (math.prod(shape),)
+        if tuple(value.shape) not in (shape, flat):
+            what = f"labels' shape, or {flat}" if name == "token_weights" else "V"
+            fail(f"{name} must have shape {shape} ({what}), got {tuple(value.shape)}")
+        if not value.dtype.is_floating_point:
+            fail(f"{name} must be a floating-point tensor, got {value.dtype}")
+        if value.device != device:
+            fail(f"{name} is on {value.device}, hidden on {device}: all inputs must be on one device")
+        checked.append(value.detach().reshape(-1))  # values checked inside the op (no graph break)
+    return tuple(checked)
+
+
 def start_valid_token_count(labels: torch.Tensor, ignore_index: int = -100, shift: bool = False) -> Callable[[], int]:
     """Start counting the labels that are not ``ignore_index``; the returned function gives the count.
 
@@ -147,14 +192,31 @@ def _compute_dtype(hidden, weight, bias) -> tuple[torch.Tensor, torch.Tensor, to
     return hidden, weight, bias
 
 
-def _run(hidden, weight, bias, labels, num_items_in_batch, low_rank_hidden, low_rank_weight, options, vocab_shard):
+def _run(
+    hidden,
+    weight,
+    bias,
+    labels,
+    num_items_in_batch,
+    low_rank_hidden,
+    low_rank_weight,
+    options,
+    vocab_shard,
+    token_weights=None,
+    class_weights=None,
+):
     """The op on local tensors (:func:`_run_chunked`), or its vocabulary-parallel form for a weight
     sharded along the vocabulary: a DTensor (tensor parallelism) or a local shard with ``vocab_shard``."""
     if vocab_shard is not None or any(is_dtensor(t) for t in (hidden, weight, bias, labels)):
         if low_rank_hidden is not None or low_rank_weight is not None:
             fail("a low-rank term (LoRA on the head) is not supported with a vocabulary-sharded weight")
+        if token_weights is not None or class_weights is not None:
+            fail("token_weights and class_weights are not supported with a vocabulary-sharded weight")
         return _run_vocab_parallel(hidden, weight, bias, labels, num_items_in_batch, options, vocab_shard)
-    return _run_chunked(hidden, weight, bias, labels, num_items_in_batch, low_rank_hidden, low_rank_weight, options)
+    return _run_chunked(
+        hidden, weight, bias, labels, num_items_in_batch, low_rank_hidden, low_rank_weight, options,
+        token_weights, class_weights,
+    )  # fmt: skip
 
 
 @torch.compiler.disable
@@ -163,8 +225,8 @@ def _run_vocab_parallel(hidden, weight, bias, labels, num_items_in_batch, option
     eagerly, a graph break under ``torch.compile``: each chunk exchanges statistics across the group."""
     if any(options.want):
         fail(
-            "entropy, is_top1, mean_logits and log_sum_sq_probs are not supported with a vocabulary-sharded "
-            "weight (tensor parallelism); the loss and log-probabilities are"
+            "entropy, is_top1, mean_logits, log_sum_sq_probs, return_lse and return_token_accuracy are not "
+            "supported with a vocabulary-sharded weight (tensor parallelism); the loss and log-probabilities are"
         )
     hidden, weight, bias, labels, shard = unwrap_dtensors(hidden, weight, bias, labels)
     if vocab_shard is not None:
@@ -177,11 +239,22 @@ def _run_vocab_parallel(hidden, weight, bias, labels, num_items_in_batch, option
     return _run_chunked(hidden, weight, bias, labels, num_items_in_batch, None, None, options)
 
 
-def _run_chunked(hidden, weight, bias, labels, num_items_in_batch, low_rank_hidden, low_rank_weight, options):
+def _run_chunked(
+    hidden,
+    weight,
+    bias,
+    labels,
+    num_items_in_batch,
+    low_rank_hidden,
+    low_rank_weight,
+    options,
+    token_weights=None,
+    class_weights=None,
+):
     """Checks, casts, shifts and flattens the inputs, completes ``options`` with what the tensors decide (the
     backend, which inputs need gradients), then runs the chunked op: the autograd Function in eager mode, the
     custom operator under ``torch.compile`` (see custom_op.py). Returns (loss, entropy, is_top1, mean_logits,
-    log_sum_sq, label_mask), each shaped like ``labels`` (the loss 0-d when scalar), None where not wanted."""
+    log_sum_sq, lse, label_mask), each shaped like ``labels`` (the loss 0-d when scalar), None where not wanted."""
     _check_inputs(hidden, weight, bias, labels)
     hidden, weight, bias = _compute_dtype(hidden, weight, bias)
     low_rank = _low_rank_inputs(low_rank_hidden, low_rank_weight, hidden, weight)
@@ -213,7 +286,8 @@ def _run_chunked(hidden, weight, bias, labels, num_items_in_batch, low_rank_hidd
             else (False, False)
         ),
     )
-    inputs = (hidden_2d, weight, bias, labels, num_items, *(low_rank or (None, None)))
+    weights = _loss_weights(token_weights, class_weights, out_shape, weight.shape[0], hidden.device, options)
+    inputs = (hidden_2d, weight, bias, labels, num_items, *(low_rank or (None, None)), *weights)
     if torch.compiler.is_compiling():
         outputs = compiled_linear_cross_entropy(*inputs, options)
     else:
@@ -247,7 +321,12 @@ def fused_linear_cross_entropy(
     vocab_shard: VocabShard | None = None,
     low_rank_hidden: torch.Tensor | None = None,
     low_rank_weight: torch.Tensor | None = None,
-) -> torch.Tensor:
+    class_weights: torch.Tensor | None = None,
+    token_weights: torch.Tensor | None = None,
+    return_lse: bool = False,
+    return_token_accuracy: bool = False,
+    fp32_weight_grad: bool = False,
+) -> torch.Tensor | CrossEntropyOutputs:
     """Cross-entropy of ``hidden @ weight.T + bias`` against ``labels`` without materializing the logits.
 
     Args:
@@ -294,16 +373,37 @@ def fused_linear_cross_entropy(
             accumulated in fp32), and W none when frozen. Not with ``vocab_shard``; under
             ``torch.compile`` part of the custom operator, as without the term.
         low_rank_weight: [V, r], the right factor of the low-rank term; given with ``low_rank_hidden``.
+        class_weights: [V], any float dtype, finite and >= 0: each valid token's loss times its label's weight,
+            as ``torch.nn.functional.cross_entropy(weight=...)``; "mean" is then the weighted mean (divided by
+            the sum of the valid labels' weights, 0 when that is 0), "sum" the weighted sum,
+            ``num_items_in_batch`` divides the weighted sum by that count. Not with ``label_smoothing`` yet. No
+            gradient.
+        token_weights: [N] or the shape of ``labels``, any float dtype, finite and >= 0: each position's loss
+            times its weight (with ``shift``, position t's, whose target is label t + 1). "mean" still divides
+            by the number of valid tokens (and ``num_items_in_batch`` by itself), so weights of 1 give the
+            unweighted loss. With ``class_weights`` both multiply. Costs nothing per logit: the weight scales
+            each row's gradient in the same kernel. No gradient.
+        return_lse: also return the per-token log-sum-exp of the final logits (fp32, 0 where ignored, no
+            gradient), from the same pass: the z-loss's term, for logging apart.
+        return_token_accuracy: also return the fraction of valid tokens whose label is the argmax of the
+            logits (the first index on ties; 0 when none is valid; unweighted; no gradient), from the same
+            pass.
+        fp32_weight_grad: accumulate a bf16 weight's gradient in fp32 over the chunks and round it once
+            (fp16 always is; fp32 and fp64 need nothing). Off by default: see the benchmark results for what
+            it costs and gains.
 
     Returns:
         fp32 0-d loss (or per-token losses for reduction="none"). A batch whose labels are all ignored
-        gives 0 with zero gradients.
+        gives 0 with zero gradients. With ``return_lse`` or ``return_token_accuracy``, a
+        :class:`CrossEntropyOutputs` (loss, lse, token_accuracy), None for what was not asked.
     """
     del deterministic  # every path is deterministic; kept in the signature as a documented promise
     if reduction not in _REDUCTIONS:
         fail(f"unknown reduction {reduction!r}; expected one of {_REDUCTIONS}")
     if num_items_in_batch is not None and reduction == "none":
         fail("num_items_in_batch cannot be combined with reduction='none'")
+    for name, flag in (("return_lse", return_lse), ("return_token_accuracy", return_token_accuracy)):
+        check_flag(name, flag)
     options = CrossEntropyOptions(
         ignore_index=ignore_index,
         softcap=softcap,
@@ -318,11 +418,19 @@ def fused_linear_cross_entropy(
         chunk_size=chunk_size,
         skip_ignored=skip_ignored,
         num_valid_tokens=num_valid_tokens,
+        want=(False, return_token_accuracy, False, False, return_lse),
+        fp32_weight_grad=fp32_weight_grad,
     )
-    loss, *_ = _run(
-        hidden, weight, bias, labels, num_items_in_batch, low_rank_hidden, low_rank_weight, options, vocab_shard
-    )
-    return loss
+    loss, _entropy, is_top1, _mean, _log_sum_sq, lse, label_mask = _run(
+        hidden, weight, bias, labels, num_items_in_batch, low_rank_hidden, low_rank_weight, options, vocab_shard,
+        token_weights, class_weights,
+    )  # fmt: skip
+    if not (return_lse or return_token_accuracy):
+        return loss
+    accuracy = None
+    if return_token_accuracy:
+        accuracy = (is_top1.sum() / label_mask.sum().clamp(min=1)).to(loss.dtype)
+    return CrossEntropyOutputs(loss=loss, lse=lse, token_accuracy=accuracy)
 
 
 def fused_linear_log_probs(
@@ -392,13 +500,13 @@ def fused_linear_log_probs(
         reduction=None,
         backend=backend,
         shift=shift,
-        want=(return_entropy, return_is_top1, return_mean_logits, return_log_sum_sq_probs),
+        want=(return_entropy, return_is_top1, return_mean_logits, return_log_sum_sq_probs, False),
         chunk_size=chunk_size,
         skip_ignored=skip_ignored,
         num_valid_tokens=num_valid_tokens,
         precompute_grad=precompute_grad,
     )
-    loss, entropy, is_top1, mean_logits, log_sum_sq_probs, label_mask = _run(
+    loss, entropy, is_top1, mean_logits, log_sum_sq_probs, _lse, label_mask = _run(
         hidden, weight, bias, labels, None, low_rank_hidden, low_rank_weight, options, vocab_shard
     )
     return TokenOutputs(

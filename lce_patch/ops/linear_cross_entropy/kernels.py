@@ -259,6 +259,7 @@ def _stats_kernel(
     WANT_LOG_SUM_SQ: tl.constexpr,
     WRITE_GRAD: tl.constexpr,
     UNNORMALIZED_GRAD: tl.constexpr,
+    PER_ROW_SCALE: tl.constexpr,
     BLOCK_V: tl.constexpr,
     LANE_GROUP: tl.constexpr,
 ):
@@ -373,7 +374,8 @@ def _stats_kernel(
         tl.store(log_sum_sq_ptr + row, tl.where(valid, log_sum_sq, 0.0))
 
     if WRITE_GRAD:
-        valid_scale = tl.where(valid, tl.load(grad_scale_ptr), 0.0)
+        # one factor for every row (the reduction's), or one per row (token or class weights times it)
+        valid_scale = tl.where(valid, tl.load(grad_scale_ptr + row if PER_ROW_SCALE else grad_scale_ptr), 0.0)
         raw_scale = logit_scale * inv_temperature * valid_scale
     if WRITE_GRAD and UNNORMALIZED_GRAD:
         # The loop stored U_j = exp(z_j - ref) * (1 - tanh_j**2); the gradient is U_j * factor with

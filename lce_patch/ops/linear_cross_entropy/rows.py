@@ -273,6 +273,7 @@ def _triton_chunk_stats(
         WANT_LOG_SUM_SQ=want_log_sum_sq,
         WRITE_GRAD=grad_scale is not None,
         UNNORMALIZED_GRAD=unnormalized,
+        PER_ROW_SCALE=grad_scale is not None and grad_scale.dim() == 1,
         BLOCK_V=block_v,
         LANE_GROUP=lane_group,
         num_warps=_STATS_NUM_WARPS,
@@ -315,8 +316,8 @@ def chunk_stats(
     target_raw: torch.Tensor | None = None,
     row_factor: torch.Tensor | None = None,
 ) -> None:
-    """Fill ``out`` for the rows of ``raw`` [C, V]. With ``grad_scale`` (fp32 0-d tensor, the
-    reduction factor), overwrite ``raw`` in place with grad_scale * d(loss_row)/d(raw), zero for
+    """Fill ``out`` for the rows of ``raw`` [C, V]. With ``grad_scale`` (fp32, 0-d: the reduction factor; or
+    [C]: each row's, token or class weights times it), overwrite ``raw`` in place with grad_scale * d(loss_row)/d(raw), zero for
     ignored rows; with ``row_factor`` too (fp32 [C], Triton only, where
     :func:`unnormalized_grad_applies`), in one pass instead of two: ``raw`` then holds that gradient
     divided row by row by ``row_factor``, which the kernel fills. ``target_raw`` (fp32 [C], from

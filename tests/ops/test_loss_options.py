@@ -1,0 +1,253 @@
+"""fused_linear_cross_entropy's loss options against float64 references built from torch's own cross-entropy:
+class weights (``F.cross_entropy(weight=...)``), token weights, the per-token log-sum-exp and the token accuracy
+from the same pass, and fp32 accumulation of a bf16 weight gradient; on both backends, with and without
+skipping ignored tokens, through ``torch.compile``, and their bad inputs.
+
+fp32 against float64: 1e-5 relative, as in test_linear_cross_entropy.py (fp32 sums of at most V or D terms).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lce_patch import fused_linear_cross_entropy
+from lce_patch.ops.linear_cross_entropy import CrossEntropyOutputs, VocabShard
+
+from .devices import BACKENDS, device_of, on
+from .test_linear_cross_entropy import leaf, make_inputs, rel_err
+
+
+def reference(hidden, weight, labels, *, class_weights=None, token_weights=None, reduction="mean", num_items=None,
+              shift=False, z_loss=0.0):  # fmt: skip
+    """The weighted loss in float64 from the full logits and torch's cross-entropy."""
+    if shift:
+        labels = torch.cat([labels[..., 1:], torch.full_like(labels[..., :1], -100)], -1)
+    logits = hidden.reshape(-1, hidden.shape[-1]) @ weight.T
+    flat = labels.reshape(-1)
+    valid = flat != -100
+    weight_arg = None if class_weights is None else class_weights.double()
+    per_token = F.cross_entropy(logits, flat, weight=weight_arg, reduction="none")
+    if z_loss:
+        lse = torch.logsumexp(logits, -1)
+        label_weight = 1.0 if class_weights is None else class_weights.double()[flat.clamp(min=0)]
+        per_token = per_token + torch.where(valid, z_loss * lse * lse * label_weight, 0.0)
+    if token_weights is not None:
+        per_token = per_token * token_weights.double().reshape(-1)
+    total = per_token.sum()
+    if num_items is not None:
+        return total / num_items
+    if reduction == "sum":
+        return total
+    denominator = valid.sum() if class_weights is None else class_weights.double()[flat[valid]].sum()
+    return total / denominator
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("skip_ignored", [False, True])
+@pytest.mark.parametrize(
+    "case",
+    [
+        dict(class_weights=True),
+        dict(class_weights=True, reduction="sum"),
+        dict(class_weights=True, num_items=23.0),
+        dict(token_weights=True),
+        dict(token_weights=True, num_items=17.0),
+        dict(class_weights=True, token_weights=True),
+        dict(class_weights=True, token_weights=True, z_loss=1e-2),
+        dict(token_weights=True, shift=True, batch=3),
+    ],
+    ids=lambda case: "-".join(f"{k}={v}" if v is not True else k for k, v in case.items()),
+)
+def test_weights_match_torch(backend, skip_ignored, case):
+    case = dict(case)
+    batch = case.pop("batch", None)
+    hidden, weight, labels, _ = make_inputs(n=29, d=17, v=67, batch=batch)
+    gen = torch.Generator().manual_seed(3)
+    class_weights = torch.rand(67, generator=gen, dtype=torch.float64) * 2 if case.pop("class_weights", False) else None
+    token_weights = torch.rand(labels.shape, generator=gen, dtype=torch.float64) * 3 if case.pop("token_weights", False) else None  # fmt: skip
+    h_ref, w_ref = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    expected = reference(h_ref, w_ref, labels, class_weights=class_weights, token_weights=token_weights, **case)
+    expected.backward()
+
+    device = device_of(backend)
+    h, w = leaf(hidden, torch.float32, device=device), leaf(weight, torch.float32, device=device)
+    num_items = case.pop("num_items", None)
+    loss = fused_linear_cross_entropy(
+        h, w, on(backend, labels), backend=backend, chunk_size=8, skip_ignored=skip_ignored,
+        class_weights=None if class_weights is None else on(backend, class_weights.float()),
+        token_weights=None if token_weights is None else on(backend, token_weights.float()),
+        num_items_in_batch=num_items, **case,
+    )  # fmt: skip
+    loss.backward()
+    assert rel_err(loss, expected) < 1e-5
+    assert rel_err(h.grad, h_ref.grad) < 1e-5
+    assert rel_err(w.grad, w_ref.grad) < 1e-5
+
+
+def test_weights_in_float64_on_torch():
+    hidden, weight, labels, _ = make_inputs(n=23, d=11, v=41)
+    class_weights, token_weights = torch.rand(41, dtype=torch.float64), torch.rand(23, dtype=torch.float64)
+    h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    loss = fused_linear_cross_entropy(
+        h, w, labels, backend="torch", class_weights=class_weights, token_weights=token_weights
+    )
+    loss.backward()
+    h_ref, w_ref = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    expected = reference(h_ref, w_ref, labels, class_weights=class_weights, token_weights=token_weights)
+    expected.backward()
+    assert loss.dtype == torch.float64
+    torch.testing.assert_close(loss, expected, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(h.grad, h_ref.grad, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(w.grad, w_ref.grad, rtol=1e-10, atol=1e-12)
+
+
+def test_unit_weights_are_the_unweighted_loss():
+    """Token weights of 1 give the plain loss ("mean" still divides by the count of valid tokens), and class
+    weights of 1 too (their sum over the valid labels is that count)."""
+    hidden, weight, labels, _ = make_inputs(n=31, d=13, v=47, seed=5)
+    h, w = hidden.float(), weight.float()
+    plain = fused_linear_cross_entropy(h, w, labels, backend="torch")
+    for kwargs in (dict(token_weights=torch.ones(31)), dict(class_weights=torch.ones(47))):
+        torch.testing.assert_close(fused_linear_cross_entropy(h, w, labels, backend="torch", **kwargs), plain)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("skip_ignored", [False, True])
+def test_lse_and_token_accuracy_from_the_same_pass(backend, skip_ignored):
+    hidden, weight, labels, _ = make_inputs(n=41, d=15, v=59, batch=2, seed=11)
+    logits = hidden @ weight.T
+    labels = torch.where(torch.rand(labels.shape) < 0.5, logits.argmax(-1), labels)  # about half are the argmax
+    labels.view(-1)[::6] = -100
+    logits[0, 3, :] = 0.0  # a row of ties: its argmax is index 0
+    labels[0, 3] = 0
+    hidden[0, 3] = 0.0
+    valid = labels != -100
+    expected_lse = torch.where(valid, torch.logsumexp(logits, -1), 0.0)
+    expected_accuracy = ((logits.argmax(-1) == labels) & valid).sum() / valid.sum()
+
+    device = device_of(backend)
+    h, w = leaf(hidden, torch.float32, device=device), leaf(weight, torch.float32, device=device)
+    out = fused_linear_cross_entropy(
+        h, w, on(backend, labels), backend=backend, chunk_size=16, skip_ignored=skip_ignored,
+        return_lse=True, return_token_accuracy=True,
+    )  # fmt: skip
+    assert isinstance(out, CrossEntropyOutputs)
+    assert out.lse.shape == labels.shape and not out.lse.requires_grad and not out.token_accuracy.requires_grad
+    assert rel_err(out.lse, expected_lse) < 1e-5
+    assert float(out.token_accuracy) == pytest.approx(float(expected_accuracy), abs=1e-7)
+    plain = fused_linear_cross_entropy(h, w, on(backend, labels), backend=backend, chunk_size=16)
+    torch.testing.assert_close(out.loss, plain)  # the loss is the one without the extra outputs
+    out.loss.backward()
+    assert h.grad is not None
+
+    only_lse = fused_linear_cross_entropy(h, w, on(backend, labels), backend=backend, return_lse=True)
+    assert only_lse.token_accuracy is None and rel_err(only_lse.lse, expected_lse) < 1e-5
+
+
+def test_fp32_weight_grad_rounds_a_bf16_weight_gradient_once():
+    """bf16 on the torch backend with many chunks: the fp32-accumulated dW is the fp32 one rounded once, and
+    closer to the float64 reference than the default (each chunk's sum added into a bf16 dW)."""
+    hidden, weight, labels, _ = make_inputs(n=512, d=32, v=97, ignore_every=0, seed=13)
+    reference_loss = reference(hidden, w_ref := weight.clone().requires_grad_(), labels)
+    reference_loss.backward()
+    errors = {}
+    for fp32_weight_grad in (False, True):
+        h, w = leaf(hidden, torch.bfloat16, False), leaf(weight, torch.bfloat16)
+        loss = fused_linear_cross_entropy(
+            h, w, labels, backend="torch", chunk_size=16, fp32_weight_grad=fp32_weight_grad
+        )
+        loss.backward()
+        assert w.grad.dtype == torch.bfloat16
+        errors[fp32_weight_grad] = rel_err(w.grad, w_ref.grad)
+    assert errors[True] < errors[False], errors
+    assert errors[True] < 8e-3  # bf16 inputs and G: the dW of the unfused bf16 path is ~4e-3 here
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_compiled_options_give_eager_numbers(backend):
+    hidden, weight, labels, _ = make_inputs(n=33, d=12, v=45, seed=17)
+    device = device_of(backend)
+    labels = on(backend, labels)
+    class_weights, token_weights = on(backend, torch.rand(45), torch.rand(33))
+
+    def step(h, w):
+        out = fused_linear_cross_entropy(
+            h, w, labels, backend=backend, chunk_size=8, skip_ignored=True, class_weights=class_weights,
+            token_weights=token_weights, return_lse=True, return_token_accuracy=True, fp32_weight_grad=True,
+        )  # fmt: skip
+        return out.loss, out.lse, out.token_accuracy
+
+    results = []
+    for fn in (step, torch.compile(step, fullgraph=True, backend="aot_eager")):
+        h, w = leaf(hidden, torch.float32, device=device), leaf(weight, torch.float32, device=device)
+        loss, lse, accuracy = fn(h, w)
+        loss.backward()
+        results.append((loss.detach(), lse, accuracy, h.grad, w.grad))
+    for eager, compiled in zip(*results, strict=True):
+        torch.testing.assert_close(compiled, eager, rtol=1e-6, atol=1e-7)
+
+
+def test_bad_weights_are_refused():
+    hidden, weight, labels, _ = make_inputs(n=9, d=5, v=11, seed=19)
+    h, w = hidden.float(), weight.float()
+
+    def call(**kwargs):
+        return fused_linear_cross_entropy(h, w, labels, backend="torch", **kwargs)
+
+    with pytest.raises(ValueError, match=r"class_weights must have shape \(11,\)"):
+        call(class_weights=torch.ones(10))
+    with pytest.raises(ValueError, match=r"token_weights must have shape \(9,\)"):
+        call(token_weights=torch.ones(3, 3))
+    with pytest.raises(ValueError, match="token_weights must be a floating-point tensor"):
+        call(token_weights=torch.ones(9, dtype=torch.long))
+    with pytest.raises(ValueError, match="class_weights must be a torch.Tensor"):
+        call(class_weights=[1.0] * 11)
+    with pytest.raises(ValueError, match="class_weights must be finite and >= 0, got -1.0"):
+        call(class_weights=torch.tensor([1.0] * 10 + [-1.0]))
+    with pytest.raises(ValueError, match="token_weights must be finite and >= 0, got nan"):
+        call(token_weights=torch.tensor([1.0] * 8 + [float("nan")]))
+    with pytest.raises(ValueError, match="weigh a scalar loss"):
+        call(token_weights=torch.ones(9), reduction="none")
+    with pytest.raises(ValueError, match="cannot be combined with label_smoothing"):
+        call(class_weights=torch.ones(11), label_smoothing=0.1)
+    with pytest.raises(ValueError, match="return_lse must be a bool"):
+        call(return_lse=1)
+    with pytest.raises(ValueError, match="vocabulary-sharded"):
+        call(token_weights=torch.ones(9), vocab_shard=VocabShard(start=0, total=11))
+    if torch.cuda.is_available():
+        with pytest.raises(ValueError, match="all inputs must be on one device"):
+            call(class_weights=torch.ones(11, device="cuda"))
+
+
+def test_weights_carry_no_gradient():
+    hidden, weight, labels, _ = make_inputs(n=9, d=5, v=11, seed=23)
+    token_weights = torch.rand(9, requires_grad=True)
+    loss = fused_linear_cross_entropy(
+        hidden.float().requires_grad_(), weight.float(), labels, backend="torch", token_weights=token_weights
+    )
+    loss.backward()
+    assert token_weights.grad is None
+
+
+def test_patched_model_passes_fp32_weight_grad_to_the_op(monkeypatch):
+    """apply_fused_lce(model, fp32_weight_grad=True) reaches every call of the op; a bad value fails at patch time."""
+    transformers = pytest.importorskip("transformers")
+    from lce_patch import apply_fused_lce
+    from lce_patch.models import forward
+
+    config = transformers.LlamaConfig(
+        vocab_size=61, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=2,
+    )  # fmt: skip
+    model = transformers.LlamaForCausalLM(config)
+    with pytest.raises(ValueError, match="lce_patch: fp32_weight_grad must be a bool"):
+        apply_fused_lce(model, fp32_weight_grad="yes")
+    apply_fused_lce(model, fp32_weight_grad=True)
+    seen = []
+    real = forward.fused_linear_cross_entropy
+    monkeypatch.setattr(forward, "fused_linear_cross_entropy", lambda *a, **k: seen.append(k) or real(*a, **k))
+    ids = torch.randint(0, 61, (2, 7))
+    model(input_ids=ids, labels=ids).loss.backward()
+    assert [call["fp32_weight_grad"] for call in seen] == [True]
