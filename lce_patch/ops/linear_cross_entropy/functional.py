@@ -1,8 +1,7 @@
-"""Public functional API: argument checks, label shift, reduction and backend dispatch."""
+"""The public functions of the cross-entropy op: each builds its options once, then dispatches (the eager Function, the compiled custom operator, or the vocabulary-parallel form) on inputs checked and prepared by ``inputs.py``."""
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -12,11 +11,11 @@ from ..core.backend import BACKENDS, resolve_backend
 from ..core.checks import num_items_tensor
 from .autograd import LinearCrossEntropyFunction
 from .custom_op import compiled_linear_cross_entropy
+from .inputs import check_inputs, compute_dtype, loss_weights, low_rank_inputs, shift_labels
 from .options import OP_NAME, SCHEMA, CrossEntropyOptions, check_flag, fail
 from .vocab_parallel import VocabShard, check_shard, is_dtensor, unwrap_dtensors
 
 _REDUCTIONS = ("mean", "sum", "none")
-_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 class CrossEntropyOutputs(NamedTuple):
@@ -51,100 +50,6 @@ class TokenOutputs(NamedTuple):
     log_sum_sq_probs: torch.Tensor | None = None
 
 
-def _shape(value) -> tuple | str:
-    return tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
-
-
-def _check_inputs(hidden, weight, bias, labels) -> None:
-    for name, value in (("hidden", hidden), ("weight", weight), ("labels", labels), ("bias", bias)):
-        if not isinstance(value, torch.Tensor) and not (name == "bias" and value is None):
-            fail(f"{name} must be a torch.Tensor{' or None' if name == 'bias' else ''}, got {type(value).__name__}")
-    if hidden.dim() not in (2, 3):
-        fail(f"hidden must be a [N, D] or [B, T, D] tensor, got shape {_shape(hidden)}")
-    if weight.dim() != 2:
-        fail(f"weight must be a [V, D] tensor, got shape {_shape(weight)}")
-    if weight.shape[1] != hidden.shape[-1]:
-        fail(f"hidden's last dim ({hidden.shape[-1]}) does not match weight's D ({weight.shape[1]})")
-    if weight.shape[0] == 0:
-        fail("weight has an empty vocabulary (V = 0)")
-    if tuple(labels.shape) != tuple(hidden.shape[:-1]):
-        fail(f"labels must have shape {tuple(hidden.shape[:-1])} (hidden without its last dim), got {_shape(labels)}")
-    if labels.dtype.is_floating_point or labels.dtype.is_complex or labels.dtype == torch.bool:
-        fail(f"labels must be an integer tensor, got {labels.dtype}")
-    if bias is not None and tuple(bias.shape) != (weight.shape[0],):
-        fail(f"bias must have shape ({weight.shape[0]},), got {_shape(bias)}")
-    tensors = {"hidden": hidden, "weight": weight, "labels": labels}
-    if bias is not None:
-        tensors["bias"] = bias
-    devices = {name: t.device for name, t in tensors.items()}
-    if len(set(devices.values())) > 1:
-        fail(f"all inputs must be on one device, got {devices}")
-    for name in ("hidden", "weight", "bias"):
-        if name in tensors and tensors[name].dtype not in _FLOAT_DTYPES:
-            fail(
-                f"{name} has unsupported dtype {tensors[name].dtype}; expected float32, float16, bfloat16 "
-                "or float64 (torch backend)"
-            )
-
-
-def _low_rank_inputs(low_rank_hidden, low_rank_weight, hidden, weight) -> tuple | None:
-    """The low-rank term (checked, cast to ``hidden``'s compute dtype), or None when not given."""
-    if low_rank_hidden is None and low_rank_weight is None:
-        return None
-    if low_rank_hidden is None or low_rank_weight is None:
-        fail("low_rank_hidden and low_rank_weight go together: pass both or neither")
-    for name, value in (("low_rank_hidden", low_rank_hidden), ("low_rank_weight", low_rank_weight)):
-        if not isinstance(value, torch.Tensor):
-            fail(f"{name} must be a torch.Tensor, got {type(value).__name__}")
-        if value.dtype not in _FLOAT_DTYPES:
-            fail(f"{name} has unsupported dtype {value.dtype}; expected a float dtype")
-        if value.device != hidden.device:
-            fail(f"{name} is on {value.device}, hidden on {hidden.device}: all inputs must be on one device")
-    rank = low_rank_weight.shape[-1] if low_rank_weight.dim() == 2 else None
-    if low_rank_weight.dim() != 2 or low_rank_weight.shape[0] != weight.shape[0] or rank == 0:
-        fail(
-            f"low_rank_weight must be a [V, r] tensor with V = {weight.shape[0]} and r >= 1, got {_shape(low_rank_weight)}"
-        )
-    if tuple(low_rank_hidden.shape) != (*hidden.shape[:-1], rank):
-        fail(
-            f"low_rank_hidden must have shape {(*hidden.shape[:-1], rank)} (hidden's with the rank r = {rank} of "
-            f"low_rank_weight last), got {_shape(low_rank_hidden)}"
-        )
-    # Cast like PEFT's LoRA output, which is added to the base layer's and returned in its dtype.
-    return low_rank_hidden.to(hidden.dtype).reshape(-1, rank), low_rank_weight.to(hidden.dtype)
-
-
-def _loss_weights(token_weights, class_weights, label_shape, vocab_size, device, options) -> tuple:
-    """(token_weights [N], class_weights [V]) checked and flattened, None where not given. They weigh a scalar
-    loss and get no gradient."""
-    if token_weights is None and class_weights is None:
-        return None, None
-    if not options.scalar:
-        fail("token_weights and class_weights weigh a scalar loss; with reduction='none' multiply the losses")
-    if class_weights is not None and options.label_smoothing:
-        fail("class_weights cannot be combined with label_smoothing yet")
-    checked = []
-    for name, value, shape in (
-        ("token_weights", token_weights, tuple(label_shape)),
-        ("class_weights", class_weights, (vocab_size,)),
-    ):
-        if value is None:
-            checked.append(None)
-            continue
-        if not isinstance(value, torch.Tensor):
-            fail(f"{name} must be a torch.Tensor or None, got {type(value).__name__}")
-        flat = (math.prod(shape),)
-        if tuple(value.shape) not in (shape, flat):
-            what = f"labels' shape, or {flat}" if name == "token_weights" else "V"
-            fail(f"{name} must have shape {shape} ({what}), got {tuple(value.shape)}")
-        if not value.dtype.is_floating_point:
-            fail(f"{name} must be a floating-point tensor, got {value.dtype}")
-        if value.device != device:
-            fail(f"{name} is on {value.device}, hidden on {device}: all inputs must be on one device")
-        checked.append(value.detach().reshape(-1))  # values checked inside the op (no graph break)
-    return tuple(checked)
-
-
 def start_valid_token_count(labels: torch.Tensor, ignore_index: int = -100, shift: bool = False) -> Callable[[], int]:
     """Start counting the labels that are not ``ignore_index``; the returned function gives the count.
 
@@ -168,28 +73,6 @@ def start_valid_token_count(labels: torch.Tensor, ignore_index: int = -100, shif
         return int(host)
 
     return read
-
-
-def _shift_labels(labels: torch.Tensor, ignore_index: int) -> torch.Tensor:
-    """Target of position t is labels[..., t + 1]; the last position of each row is ignored."""
-    shifted = torch.full_like(labels, ignore_index)
-    shifted[..., :-1] = labels[..., 1:]
-    return shifted
-
-
-def _compute_dtype(hidden, weight, bias) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Cast like F.linear would: to the autocast dtype when autocast is on, else require one dtype."""
-    device_type = hidden.device.type
-    if torch.is_autocast_enabled(device_type):
-        dtype = torch.get_autocast_dtype(device_type)
-        return hidden.to(dtype), weight.to(dtype), bias.to(dtype) if bias is not None else None
-    if weight.dtype != hidden.dtype or (bias is not None and bias.dtype != hidden.dtype):
-        fail(
-            f"hidden ({hidden.dtype}), weight ({weight.dtype})"
-            + (f" and bias ({bias.dtype})" if bias is not None else "")
-            + " must share one dtype (or run under torch.autocast)"
-        )
-    return hidden, weight, bias
 
 
 def _run(
@@ -255,14 +138,14 @@ def _run_chunked(
     backend, which inputs need gradients), then runs the chunked op: the autograd Function in eager mode, the
     custom operator under ``torch.compile`` (see custom_op.py). Returns (loss, entropy, is_top1, mean_logits,
     log_sum_sq, lse, label_mask), each shaped like ``labels`` (the loss 0-d when scalar), None where not wanted."""
-    _check_inputs(hidden, weight, bias, labels)
-    hidden, weight, bias = _compute_dtype(hidden, weight, bias)
-    low_rank = _low_rank_inputs(low_rank_hidden, low_rank_weight, hidden, weight)
+    check_inputs(hidden, weight, bias, labels)
+    hidden, weight, bias = compute_dtype(hidden, weight, bias)
+    low_rank = low_rank_inputs(low_rank_hidden, low_rank_weight, hidden, weight)
     use_triton = resolve_backend(options.backend, hidden.device, hidden.dtype, OP_NAME)
     out_shape = labels.shape
     labels = labels.long()
     if options.shift:
-        labels = _shift_labels(labels, options.ignore_index)
+        labels = shift_labels(labels, options.ignore_index)
     labels = labels.reshape(-1)
     hidden_2d = hidden.reshape(-1, hidden.shape[-1])
     if options.num_valid_tokens is not None and options.num_valid_tokens > labels.shape[0]:
@@ -286,7 +169,7 @@ def _run_chunked(
             else (False, False)
         ),
     )
-    weights = _loss_weights(token_weights, class_weights, out_shape, weight.shape[0], hidden.device, options)
+    weights = loss_weights(token_weights, class_weights, out_shape, weight.shape[0], hidden.device, options)
     inputs = (hidden_2d, weight, bias, labels, num_items, *(low_rank or (None, None)), *weights)
     if torch.compiler.is_compiling():
         outputs = compiled_linear_cross_entropy(*inputs, options)
