@@ -1,4 +1,5 @@
-"""The public functions of the cross-entropy op: each builds its options once, then dispatches (the eager Function, the compiled custom operator, or the vocabulary-parallel form) on inputs checked and prepared by ``inputs.py``."""
+"""The public functions of the cross-entropy op: each builds its options once, then dispatches (the eager Function,
+the compiled custom operator, or the vocabulary-parallel form) on inputs checked and prepared by ``inputs.py``."""
 
 from __future__ import annotations
 
