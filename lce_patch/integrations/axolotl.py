@@ -9,7 +9,9 @@ the ``lce_patch*`` keys below are validated with axolotl's own. The plugin then
 - patches the model axolotl built, after adapters are attached (``post_model_load``: LoRA, QLoRA and
   ``lora_modules_to_save`` work as with :func:`lce_patch.apply_fused_lce`);
 - hands the trainer a :class:`~lce_patch.FusedLCECallback`, which serves axolotl's trainer the way it serves
-  ``transformers.Trainer`` (evaluation logits exactly where the Trainer needs them; TRL >= 1.15 heads).
+  ``transformers.Trainer`` (evaluation logits exactly where the Trainer needs them; TRL >= 1.15 heads);
+- with ``kd_trainer: true``, computes axolotl's KD loss with lce_patch's ops (``post_trainer_create``; see
+  ``axolotl_kd.py``).
 
 The plugin is also registered under the ``axolotl.plugins`` entry point (axolotl >= 0.21 loads those without
 a ``plugins:`` line), so it does nothing unless it is on: ``lce_patch: true``, or ``lce_patch`` unset and the
@@ -26,7 +28,10 @@ This module imports axolotl and pydantic, so it is imported only by axolotl (nev
 from __future__ import annotations
 
 import difflib
+import importlib.metadata
+import importlib.util
 import re
+from pathlib import Path
 from typing import Any, Literal
 
 from axolotl.integrations.base import BasePlugin
@@ -74,11 +79,6 @@ def _conflicts(data: dict[str, Any]) -> list[str]:
             on = any("CutCrossEntropyPlugin" in str(name) for name in data.get("plugins") or ())
         if on:
             problems.append(f"`{key}` ({what}) also replaces the loss; set `{key}: false` or drop lce_patch")
-    if data.get("kd_trainer"):
-        problems.append(
-            "`kd_trainer` (axolotl's knowledge distillation) computes its loss from the student's logits, which a "
-            "fused loss never builds; drop lce_patch for distillation runs"
-        )
     if data.get("reward_model") or data.get("process_reward_model"):
         problems.append("reward models have a score head, not an LM head: there is no cross-entropy to fuse")
     if _head_has_lora(data.get("lora_target_modules")) and data.get("peft_use_dora"):
@@ -160,12 +160,8 @@ class LCEPatchArgs(BaseModel):
                 "lce_patch: this configuration cannot train with the fused loss:\n- " + "\n- ".join(problems)
             )
         data["lce_patch"] = True
-        if data.get("rl") and not _trl_has_fused_heads():
-            LOG.warning(
-                "lce_patch: `rl: %s` runs TRL's trainer, and this TRL (< 1.15) computes its losses from the full "
-                "logits without labels: the model stays patched but that training runs unfused.",
-                data.get("rl"),
-            )
+        if data.get("rl"):
+            _warn_if_unfused(data["rl"])
         return data
 
 
@@ -175,6 +171,52 @@ def _trl_has_fused_heads() -> bool:
     except ImportError:
         return False
     return True
+
+
+# `rl:` modes whose trainer derives from TRL's experimental ORPOTrainer or CPOTrainer: FusedLCECallback computes
+# their log-probabilities with the fused op on any TRL whose methods it recognises (TRL 1.9 and 1.16 checked), and
+# raises when the trainer is built with a TRL it does not. DPO, IPO, KTO and GRPO are fused through TRL's
+# fused-LM-head protocol, which TRL 1.15 introduced.
+_EXPERIMENTAL_RL = {"orpo": "trl.experimental.orpo", "simpo": "trl.experimental.cpo"}
+
+
+def _has_module(name: str) -> bool:
+    """Whether the package ``trl.<...>`` is installed, found on disk (importing ``trl.experimental`` warns)."""
+    spec = importlib.util.find_spec("trl")
+    if spec is None or not spec.submodule_search_locations:
+        return False
+    parts = name.split(".")[1:]
+    return any(Path(root, *parts, "__init__.py").is_file() for root in spec.submodule_search_locations)
+
+
+def _warn_if_unfused(rl: Any) -> None:
+    """Warn when axolotl's ``rl:`` trainer, with the installed TRL, computes its loss from the full logits."""
+    mode = str(getattr(rl, "value", rl))
+    module = _EXPERIMENTAL_RL.get(mode)
+    if module is not None:
+        if _has_module(module):
+            return
+        reason = f"it has no `{module}`, the trainer lce_patch serves for this mode"
+    elif _trl_has_fused_heads():
+        return
+    else:
+        reason = (
+            "its trainer scores the sequences from the full [tokens x vocabulary] logits of a forward without labels, "
+            "which lce_patch fuses through TRL's fused-LM-head protocol (TRL >= 1.15)"
+        )
+        if all(_has_module(name) for name in _EXPERIMENTAL_RL.values()):
+            reason += "; `rl: orpo` and `rl: simpo` do train fused with this TRL"
+    try:
+        trl_version = importlib.metadata.version("trl")
+    except importlib.metadata.PackageNotFoundError:
+        trl_version = "(not installed)"
+    LOG.warning(
+        "lce_patch: `rl: %s` trains with TRL %s, and %s. The model stays patched, but this training runs unfused, "
+        "with the losses of a run without the plugin.",
+        mode,
+        trl_version,
+        reason,
+    )
 
 
 def options_from(cfg: Any) -> dict[str, Any]:
@@ -229,3 +271,12 @@ class LCEPatchPlugin(BasePlugin):
         from lce_patch import FusedLCECallback
 
         return [FusedLCECallback(**options_from(cfg))]
+
+    def post_trainer_create(self, cfg: Any, trainer: Any) -> None:
+        # `kd_trainer: true`: axolotl's KD loss (top-K divergence and cross-entropy) through lce_patch's ops
+        if not is_enabled(cfg) or not cfg.get("kd_trainer"):
+            return
+        from .axolotl_kd import serve_kd_trainer
+
+        if serve_kd_trainer(trainer, options_from(cfg), warn=LOG.warning):
+            LOG.info("lce_patch: axolotl's KD loss runs through fused_linear_sparse_divergence and the fused CE")

@@ -18,9 +18,11 @@ TRL trainers that score a reference model inside ``__init__`` (DPO and KTO with
 
 TRL's ``DistillationTrainer`` and experimental ``GKDTrainer`` compute their loss with
 :func:`lce_patch.fused_linear_divergence` (see ``trl_distillation.py``, ``trl_gkd.py``); the experimental
-``ORPOTrainer``, ``CPOTrainer``, ``TPOTrainer`` and ``OnlineDPOTrainer`` their log-probabilities with
-:func:`lce_patch.fused_linear_log_probs` (see ``trl_preference.py``, ``trl_experimental.py``); the experimental
-trainers left on TRL's path are warned about.
+``ORPOTrainer``, ``CPOTrainer``, ``TPOTrainer``, ``OnlineDPOTrainer`` and ``A2POTrainer`` their log-probabilities
+with :func:`lce_patch.fused_linear_log_probs` (see ``trl_preference.py``, ``trl_experimental.py``,
+``trl_a2po.py``); the experimental ``AsyncDistillationTrainer`` and ``ServerDistillationTrainer`` their loss with
+:func:`lce_patch.fused_linear_sparse_divergence` (see ``trl_sparse_distillation.py``); the experimental trainers
+left on TRL's path are warned about.
 """
 
 from __future__ import annotations

@@ -21,7 +21,8 @@ subclass that overrides it is left on TRL's path with a warning. :func:`unserve_
 methods.
 
 :func:`warn_unserved_trainer` warns, once per trainer class, for the experimental trainers whose training step still
-builds the full logits (GOLD, SDFT, SDPO, IW-OPD, A2PO, server distillation): the callback only patches their model.
+builds the full logits (GOLD, SDFT, SDPO, IW-OPD): the callback only patches their model. The async and server
+distillation trainers are served in ``trl_sparse_distillation.py``, A2PO in ``trl_a2po.py``.
 """
 
 from __future__ import annotations
@@ -63,8 +64,6 @@ _UNSERVED = {
     "trl.experimental.sdft.sdft_trainer": "SDFTTrainer",
     "trl.experimental.sdpo.sdpo_trainer": "SDPOTrainer",
     "trl.experimental.iw_opd.iw_opd_trainer": "IWOPDTrainer",
-    "trl.experimental.a2po.a2po_trainer": "A2POTrainer",
-    "trl.experimental.server_distillation.server_distillation_trainer": "ServerDistillationTrainer",
 }
 _warned: set[str] = set()
 
@@ -294,9 +293,19 @@ def serve_online_dpo_trainer(trainer: Any, options: dict[str, Any]) -> bool:
 
 
 def serve_experimental_trainer(trainer: Any, options: dict[str, Any]) -> bool:
-    """Serve ``trainer`` if it is TRL's experimental ORPO, CPO, TPO or Online DPO trainer; warn (once per class) if
-    it is one whose training step stays on TRL's path. Returns whether it is served."""
-    for serve in (serve_preference_trainer, serve_tpo_trainer, serve_online_dpo_trainer):
+    """Serve ``trainer`` if it is TRL's experimental ORPO, CPO, TPO, Online DPO, async or server distillation
+    trainer; warn (once per class) if it is one whose training step stays on TRL's path. Returns whether it is
+    served."""
+    from .trl_a2po import serve_a2po_trainer
+    from .trl_sparse_distillation import serve_sparse_distillation_trainer
+
+    for serve in (
+        serve_preference_trainer,
+        serve_tpo_trainer,
+        serve_online_dpo_trainer,
+        serve_sparse_distillation_trainer,
+        serve_a2po_trainer,
+    ):
         if serve(trainer, options):
             return True
     warn_unserved_trainer(trainer)
@@ -305,7 +314,12 @@ def serve_experimental_trainer(trainer: Any, options: dict[str, Any]) -> bool:
 
 def unserve_experimental_trainer(trainer: Any) -> bool:
     """Undo :func:`serve_experimental_trainer` on ``trainer``; returns whether it was served."""
+    from .trl_a2po import unserve_a2po_trainer
+    from .trl_sparse_distillation import unserve_sparse_distillation_trainer
+
     removed = unserve_preference_trainer(trainer)
+    removed = unserve_sparse_distillation_trainer(trainer) or removed
+    removed = unserve_a2po_trainer(trainer) or removed
     for name in (_TPO[2], _ONLINE_DPO[2]):
         if getattr(vars(trainer).get(name), _SERVED_ATTR, False):
             delattr(trainer, name)
