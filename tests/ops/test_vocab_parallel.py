@@ -130,7 +130,10 @@ def _edge_cases(rank, world_size):
         fused_linear_cross_entropy(hidden.float(), w, labels.clamp(min=0) * 0 + 29, vocab_shard=shard)
     with pytest.raises(ValueError, match="ignore_index must be negative or at least the vocabulary size"):
         fused_linear_cross_entropy(hidden.float(), w, labels.clamp(min=0), vocab_shard=shard, ignore_index=3)
-    with pytest.raises(ValueError, match="entropy, is_top1, mean_logits, log_sum_sq_probs, return_lse and return_token_accuracy are not supported"):
+    with pytest.raises(
+        ValueError,
+        match="entropy, is_top1, mean_logits, log_sum_sq_probs, return_lse and return_token_accuracy are not supported",
+    ):
         fused_linear_log_probs(hidden.float(), w, labels, vocab_shard=shard, return_entropy=True)
 
 
