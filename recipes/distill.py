@@ -42,6 +42,30 @@ TEACHER_LR = 2e-3
 _teacher_cache: dict[str, PreTrainedModel] = {}
 
 
+def add_teacher_options(group: argparse._ArgumentGroup) -> None:
+    """``--teacher`` and ``--teacher-steps``, the options of the teacher (also distill_top_k.py's)."""
+    group.add_argument(
+        "--teacher",
+        help="hub id or local path of the teacher, same vocabulary as the student (default: the embedded teacher)",
+    )
+    group.add_argument(
+        "--teacher-steps",
+        type=int,
+        default=60,
+        help="steps the embedded teacher first trains on the shipped data (default: %(default)s)",
+    )
+
+
+def check_teacher_args(parser: argparse.ArgumentParser, args: argparse.Namespace, needed: bool = True) -> None:
+    """A real student needs a real teacher of its vocabulary, and the reverse (unless no teacher is ``needed``)."""
+    if needed and args.model and not args.teacher:
+        parser.error("--model needs --teacher (a causal LM with the student's vocabulary)")
+    if args.teacher and not args.model:
+        parser.error("--teacher needs --model (the embedded student's vocabulary is the embedded tokenizer's)")
+    if args.teacher_steps < 0:
+        parser.error("--teacher-steps must be >= 0")
+
+
 def train_embedded_teacher(
     args: argparse.Namespace, tokenizer: PreTrainedTokenizerBase, conversations: datasets.Dataset
 ) -> PreTrainedModel:
@@ -157,16 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     """Parses ``argv`` (default: the command line) and runs the recipe; returns the exit status."""
     parser = build_parser("distill", __doc__.split("\n\n")[0], EXAMPLES, max_steps=20, batch_size=8)
     group = parser.add_argument_group("distillation")
-    group.add_argument(
-        "--teacher",
-        help="hub id or local path of the teacher, same vocabulary as the student (default: the embedded teacher)",
-    )
-    group.add_argument(
-        "--teacher-steps",
-        type=int,
-        default=60,
-        help="steps the embedded teacher first trains on the shipped data (default: %(default)s)",
-    )
+    add_teacher_options(group)
     group.add_argument(
         "--beta",
         type=float,
@@ -182,14 +197,9 @@ def main(argv: list[str] | None = None) -> int:
     group.add_argument("--prompt-column", default="prompt", help="prompt column of --dataset (default: %(default)s)")
     args = parser.parse_args(argv)
     check_args(parser, args)
-    if args.model and not args.teacher:
-        parser.error("--model needs --teacher (a causal LM with the student's vocabulary)")
-    if args.teacher and not args.model:
-        parser.error("--teacher needs --model (the embedded student's vocabulary is the embedded tokenizer's)")
+    check_teacher_args(parser, args)
     if not 0 <= args.beta <= 1 or args.max_completion_length < 1 or not args.temperature > 0:
         parser.error("--beta must be in [0, 1], --max-completion-length >= 1 and --temperature > 0")
-    if args.teacher_steps < 0:
-        parser.error("--teacher-steps must be >= 0")
 
     import _running
 

@@ -14,9 +14,9 @@ from .conftest import RECIPES_DIR
 
 # Small enough for CI: a handful of short sequences, two optimizer steps.
 TINY = ["--max-steps", "2", "--max-examples", "24", "--batch-size", "4", "--seq-len", "128"]
-RECIPES = ["sft", "train", "dpo", "grpo", "distill"]
-# The distillation recipe's embedded teacher first trains on the shipped data: a few steps are enough here.
-EXTRA = {"distill": ["--teacher-steps", "4"]}
+RECIPES = ["sft", "train", "dpo", "grpo", "distill", "distill_top_k"]
+# The distillation recipes' embedded teacher first trains on the shipped data: a few steps are enough here.
+EXTRA = {"distill": ["--teacher-steps", "4"], "distill_top_k": ["--teacher-steps", "4"]}
 
 
 def tiny(recipe: str) -> list[str]:
