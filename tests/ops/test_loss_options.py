@@ -251,3 +251,31 @@ def test_patched_model_passes_fp32_weight_grad_to_the_op(monkeypatch):
     ids = torch.randint(0, 61, (2, 7))
     model(input_ids=ids, labels=ids).loss.backward()
     assert [call["fp32_weight_grad"] for call in seen] == [True]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_views_of_every_input_give_the_contiguous_result(backend):
+    """A transposed weight, a column-strided hidden, strided token weights and expanded class weights: the same
+    loss and gradients as contiguous copies (the weights are read through their strides or flattened once)."""
+    hidden, weight, labels, _ = make_inputs(n=27, d=13, v=43, batch=3, seed=31)
+    wide_hidden = on(backend, torch.randn(3, 27, 26, dtype=torch.float64).float())
+    wide_hidden[..., ::2] = on(backend, hidden.float())
+    weight_t = on(backend, weight.float().t().contiguous())  # [D, V]: its .t() is a [V, D] view
+    token_wide = on(backend, torch.rand(3, 54))
+    class_weights = on(backend, torch.rand(1)).expand(43)
+    labels = on(backend, labels)
+    results = []
+    for views in (True, False):
+        h = (wide_hidden[..., ::2] if views else wide_hidden[..., ::2].contiguous()).detach().requires_grad_()
+        w_base = weight_t.clone().requires_grad_()
+        w = w_base.t() if views else w_base.t().contiguous()
+        tokens = token_wide[:, ::2] if views else token_wide[:, ::2].contiguous()
+        classes = class_weights if views else class_weights.contiguous()
+        out = fused_linear_cross_entropy(
+            h, w, labels, backend=backend, chunk_size=16, skip_ignored=True, token_weights=tokens,
+            class_weights=classes, return_lse=True, return_token_accuracy=True,
+        )  # fmt: skip
+        out.loss.backward()
+        results.append((out.loss.detach(), out.lse, out.token_accuracy, h.grad, w_base.grad))
+    for viewed, contiguous in zip(*results, strict=True):
+        torch.testing.assert_close(viewed, contiguous, rtol=1e-6, atol=1e-7)
