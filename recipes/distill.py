@@ -112,19 +112,23 @@ def train_embedded_teacher(
 
 
 def load_teacher(args: argparse.Namespace, tokenizer: PreTrainedTokenizerBase) -> PreTrainedModel:
-    """``--teacher`` from the hub or disk, or the embedded teacher; built once, the same for both runs."""
-    if "teacher" not in _teacher_cache:
+    """``--teacher`` from the hub or disk, or the embedded teacher; built once per setting, the same for both runs."""
+    # Everything the teacher depends on: another setting in the same process (tests) builds its own teacher.
+    key = repr(
+        (args.teacher, args.teacher_steps, args.seed, args.seq_len, args.batch_size, getattr(args, "dataset", None))
+    )
+    if key not in _teacher_cache:
         if args.teacher:
             import torch
             from transformers import AutoModelForCausalLM
 
-            _teacher_cache["teacher"] = AutoModelForCausalLM.from_pretrained(args.teacher, dtype=torch.float32).eval()
+            _teacher_cache[key] = AutoModelForCausalLM.from_pretrained(args.teacher, dtype=torch.float32).eval()
         else:
             import _loading
 
             conversations = _loading.load_train_dataset(args)
-            _teacher_cache["teacher"] = train_embedded_teacher(args, tokenizer, conversations)
-    return copy.deepcopy(_teacher_cache["teacher"])
+            _teacher_cache[key] = train_embedded_teacher(args, tokenizer, conversations)
+    return copy.deepcopy(_teacher_cache[key])
 
 
 def prepare_dataset(

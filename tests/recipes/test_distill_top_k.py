@@ -41,7 +41,7 @@ def test_compare_agrees_and_the_teacher_data_is_reused(tmp_path: Path, capfd: py
     first = _compare(SHORT, tmp_path / "first")
     _assert_runs_agree(first, ("divergence", "entropy"))
     out = capfd.readouterr().out
-    assert "embedded teacher" in out and "largest loss difference" in out
+    assert "largest loss difference" in out  # (the teacher's own line is printed once per setting and process)
 
     saved = tmp_path / "first" / "teacher_top_k"
     settings = json.loads((saved / "recipe_settings.json").read_text())
