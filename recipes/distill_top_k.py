@@ -196,31 +196,6 @@ class TopKCollator:
         }
 
 
-def generalized_jsd(student: torch.Tensor, teacher: torch.Tensor, support: torch.Tensor, beta: float) -> torch.Tensor:
-    """Per position, over the slots of ``support``: KL(teacher ‖ student) for beta 0, KL(student ‖ teacher) for 1,
-    between them the generalized JSD through the mixture ``(1 - beta) p_student + beta p_teacher`` (TRL's)."""
-    import torch
-
-    a, b = student.masked_fill(~support, 0.0), teacher.masked_fill(~support, 0.0)
-    p, q = a.exp() * support, b.exp() * support
-    if beta == 0:
-        terms = q * (b - a)
-    elif beta == 1:
-        terms = p * (a - b)
-    else:
-        log_mixture = torch.log(((1 - beta) * p + beta * q).clamp_min(torch.finfo(a.dtype).tiny))
-        terms = beta * q * (b - log_mixture) + (1 - beta) * p * (a - log_mixture)
-    return (terms * support).sum(-1)
-
-
-def with_tail_bucket(log_probs: torch.Tensor) -> torch.Tensor:
-    """[..., K] log-probabilities and a (K+1)-th: the log of the mass outside them (TRL's clamp included)."""
-    import torch
-
-    mass = log_probs.logsumexp(-1, keepdim=True).clamp(max=-1e-7)
-    return torch.cat([log_probs, torch.log(-torch.expm1(mass))], dim=-1)
-
-
 def unfused_loss(
     args: argparse.Namespace, hidden: torch.Tensor, head: torch.nn.Module, inputs: dict[str, torch.Tensor], count: Any
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -230,6 +205,8 @@ def unfused_loss(
     gathered at the candidates; then the same loss as the fused op's."""
     import torch.nn.functional as F
 
+    from lce_patch.ops.linear_sparse_divergence.naive import sparse_token_divergence, with_tail_bucket
+
     ids, kept_slot = inputs["teacher_ids"], inputs["teacher_ids"] >= 0
     kept = kept_slot.any(-1)
     ids, kept_slot, teacher = ids[kept], kept_slot[kept], inputs["teacher_logprobs"][kept]
@@ -238,11 +215,11 @@ def unfused_loss(
     student = log_probs.gather(-1, ids.clamp(min=0)).masked_fill(~kept_slot, float("-inf"))
     teacher = teacher.masked_fill(~kept_slot, float("-inf"))
     if args.tail_bucket:
-        student, teacher = with_tail_bucket(student), with_tail_bucket(teacher)
-        kept_slot = F.pad(kept_slot, (0, 1), value=True)
+        (student, support), (teacher, _) = with_tail_bucket(student, kept_slot), with_tail_bucket(teacher, kept_slot)
     else:
+        support = kept_slot
         student, teacher = student - student.logsumexp(-1, True), teacher - teacher.logsumexp(-1, True)
-    divergence = generalized_jsd(student, teacher, kept_slot, args.beta).sum() / count
+    divergence = sparse_token_divergence(student, teacher, support, args.beta).sum() / count
     cross_entropy = divergence.new_zeros(())
     if args.ce_weight:
         cross_entropy = F.cross_entropy(logits, inputs["shift_labels"][kept], reduction="sum") / count

@@ -299,6 +299,16 @@ def scaled_by_upstream(
     return tuple(scaled)
 
 
+def claim_scalar_backward(ctx, op_name: str) -> None:
+    """An eager scalar loss's backward may run once: its gradients, computed in the forward, are scaled in place."""
+    if getattr(ctx, "backward_done", False):
+        raise RuntimeError(
+            f"{op_name}: backward through the same scalar loss twice is not supported "
+            "(its gradients were computed in the forward and are scaled in place)."
+        )
+    ctx.backward_done = True
+
+
 def absent_to_none(grads: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor | None, ...]:
     """A custom operator's gradient outputs with its "not computed" marker, a tensor of shape (0,), as None.
 

@@ -13,7 +13,7 @@ from typing import NamedTuple
 
 import torch
 
-from ..core.grads import LowRank, scaled_by_upstream
+from ..core.grads import LowRank, claim_scalar_backward, scaled_by_upstream
 from .chunked import chunked_backward, chunked_forward
 from .options import OP_NAME, CrossEntropyOptions
 
@@ -151,7 +151,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         # Outputs that get no gradient (entropy logged as a metric, say) arrive as None, not as
         # zeros, so the backward can skip their terms.
         ctx.set_materialize_grads(False)
-        ctx.options, ctx.chunks, ctx.backward_done = options, result.chunks, False
+        ctx.options, ctx.chunks = options, result.chunks
 
         def given(value: torch.Tensor | None, dtype: torch.dtype = result.loss.dtype) -> torch.Tensor:
             return value if value is not None else result.loss.new_empty(0, dtype=dtype)  # one tensor per output
@@ -186,12 +186,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
     def backward(ctx, grad_loss, grad_entropy, _grad_top1, _grad_mean_logit, _grad_log_sum_sq, _grad_lse):
         _refuse_double_backward()
         if ctx.options.scalar:
-            if ctx.backward_done:
-                raise RuntimeError(
-                    f"{OP_NAME}: backward through the same scalar loss twice is not supported "
-                    "(its gradients were computed in the forward and are scaled in place)."
-                )
-            ctx.backward_done = True
+            claim_scalar_backward(ctx, OP_NAME)
             saved = ctx.saved_tensors
         else:
             *tensors, row_index = ctx.saved_tensors[:9]

@@ -40,7 +40,7 @@ from ..core.backend import HAS_TRITON, next_power_of_2, stats_dtype
 from ..core.checks import check_num_items
 from ..core.chunking import chunk_spans
 from ..core.chunking import default_chunk_rows as gemm_chunk_rows
-from ..core.grads import GradAccumulator, matmul_into, scaled_by_upstream
+from ..core.grads import GradAccumulator, claim_scalar_backward, matmul_into, scaled_by_upstream
 from .options import OP_NAME, DivergenceOptions
 
 if HAS_TRITON:
@@ -287,7 +287,7 @@ class LinearDivergenceFunction(torch.autograd.Function):
     def forward(
         ctx, hidden, weight, bias, teacher_hidden, teacher_weight, teacher_bias, row_weight, num_items, options
     ):
-        ctx.options, ctx.backward_done = options, False
+        ctx.options = options
         tensors = (hidden, weight, bias, teacher_hidden, teacher_weight, teacher_bias, row_weight)
         out, entropy, grads = divergence_forward(*tensors, num_items, options)
         ctx.save_for_backward(*(grads or (None,) * 3) if options.scalar else tensors)
@@ -298,11 +298,6 @@ class LinearDivergenceFunction(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out, _grad_entropy):
         if ctx.options.scalar:
-            if ctx.backward_done:
-                raise RuntimeError(
-                    f"{OP_NAME}: backward through the same scalar loss twice is not supported "
-                    "(its gradients were computed in the forward and are scaled in place)."
-                )
-            ctx.backward_done = True
+            claim_scalar_backward(ctx, OP_NAME)
         dh, dw, db = divergence_backward(ctx.saved_tensors, grad_out, ctx.options, in_place=True)
         return dh, dw, db, *(None,) * 6

@@ -18,7 +18,9 @@ from ..core.naive import naive_logits
 _TAIL_LOG_MASS_MAX = -1e-7
 
 
-def _with_tail(log_probs: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def with_tail_bucket(log_probs: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[..., K] log-probabilities and their mask with a (K+1)-th bucket: the log of the mass outside the kept
+    candidates (TRL's ``_add_tail_bucket``, its clamp included), always kept."""
     log_mass = torch.logsumexp(log_probs, dim=-1, keepdim=True).clamp(max=_TAIL_LOG_MASS_MAX)
     tail = torch.log(-torch.expm1(log_mass))
     return torch.cat([log_probs, tail], dim=-1), torch.cat([mask, torch.ones_like(mask[..., :1])], dim=-1)
@@ -69,8 +71,8 @@ def naive_linear_sparse_divergence(
     teacher = torch.where(mask, teacher_logprobs.detach().to(log_probs.dtype), neg_inf)
     has_candidate = mask.any(-1)
     if add_tail_bucket:
-        a, support = _with_tail(student, mask)
-        b, _ = _with_tail(teacher, mask)
+        a, support = with_tail_bucket(student, mask)
+        b, _ = with_tail_bucket(teacher, mask)
     elif renormalize:
         # rows without a candidate: -inf - -inf; replaced below, and their gradient is kept out of the graph
         safe = has_candidate[..., None]
