@@ -42,12 +42,18 @@ METHODS = ("lce_patch", "trl", "liger", "unfused", "compile")
 
 def build(method: str, h, w, ht, wt, beta: float):
     """A zero-argument callable returning the scalar loss. ``lce_patch:<rows>`` sets the chunk size,
-    ``lce_patch_torch`` runs the op's PyTorch backend."""
+    ``lce_patch_torch`` runs the op's PyTorch backend, ``+fp32_logits`` / ``+fp32_weight_grad`` set those
+    options (``lce_patch+fp32_logits+fp32_weight_grad:1024``)."""
     if method.startswith("lce_patch"):
         from lce_patch import fused_linear_divergence
 
         name, _, rows = method.partition(":")
+        name, *flags = name.split("+")
         options = dict(backend="torch" if name == "lce_patch_torch" else "auto")
+        for flag in flags:
+            if flag not in ("fp32_logits", "fp32_weight_grad"):
+                raise ValueError(f"unknown lce_patch option {flag!r} in {method!r}")
+            options[flag] = True
         if rows:
             options["chunk_size"] = int(rows)
         return lambda: fused_linear_divergence(h, w, ht, wt, beta=beta, **options)
@@ -113,7 +119,8 @@ def measure(fn, params, reps: int, device) -> dict:
 
 def errors(method: str, h, w, ht, wt, beta: float) -> dict:
     """Loss, dh and dW of ``method`` against an fp32 full-logits reference of the same bf16 inputs:
-    relative error of the loss, max |error| / max |reference| of the gradients."""
+    relative error of the loss; of the gradients max |error| / max |reference| and the relative L2 error
+    ||error|| / ||reference||."""
 
     from lce_patch.ops.linear_divergence import naive_linear_divergence
 
@@ -131,6 +138,7 @@ def errors(method: str, h, w, ht, wt, beta: float) -> dict:
     out = dict(loss_rel=float((got[0] - ref[0]).abs() / ref[0].abs()))
     for name, g, r in (("dh", got[1], ref[1]), ("dW", got[2], ref[2])):
         out[f"{name}_rel_max"] = float((g - r).abs().max() / r.abs().max())
+        out[f"{name}_rel_l2"] = float((g - r).norm() / r.norm())
     return out
 
 
@@ -163,6 +171,12 @@ def main() -> None:
     parser.add_argument("--betas", default="0.5")
     parser.add_argument("--methods", default=",".join(METHODS))
     parser.add_argument("--reps", type=int, default=10)
+    parser.add_argument(
+        "--logit-std",
+        type=float,
+        default=0.5,
+        help="spread of both models' random logits (default %(default)s; a pretrained head's is a few units)",
+    )
     parser.add_argument("--tiny", action="store_true", help="the tiny shape on the CPU, float32")
     parser.add_argument(
         "--errors",
@@ -183,13 +197,16 @@ def main() -> None:
     for name in shapes:
         dim, teacher_dim, vocab, tokens = SHAPES[name]
         gen = torch.Generator(device=device).manual_seed(0)
-        h = (torch.randn(tokens, dim, device=device, generator=gen) / 2).to(dtype).requires_grad_(True)
+        # W's rows have norm ~1, so a logit's standard deviation is hidden's
+        spread = args.logit_std
+        h = (torch.randn(tokens, dim, device=device, generator=gen) * spread).to(dtype).requires_grad_(True)
         w = (torch.randn(vocab, dim, device=device, generator=gen) / dim**0.5).to(dtype).requires_grad_(True)
-        ht = (torch.randn(tokens, teacher_dim, device=device, generator=gen) / 2).to(dtype)
+        ht = (torch.randn(tokens, teacher_dim, device=device, generator=gen) * spread).to(dtype)
         wt = (torch.randn(vocab, teacher_dim, device=device, generator=gen) / teacher_dim**0.5).to(dtype)
         floor = gemm_floor(h.detach(), w.detach(), ht, wt, args.reps, device)
         for beta in (float(b) for b in args.betas.split(",")):
-            row = dict(shape=name, D=dim, D_teacher=teacher_dim, V=vocab, N=tokens, beta=beta, gemm_floor_ms=floor)
+            row = dict(shape=name, D=dim, D_teacher=teacher_dim, V=vocab, N=tokens, beta=beta, logit_std=spread)
+            row["gemm_floor_ms"] = floor
             for method in args.methods.split(","):
                 try:
                     row[method] = measure(build(method, h, w, ht, wt, beta), [h, w], args.reps, device)
@@ -199,6 +216,7 @@ def main() -> None:
                 free()
                 print(name, beta, method, row[method], flush=True)
             for method in filter(None, args.errors.split(",")):
+                row.setdefault(method, {})
                 try:
                     row[method]["errors_vs_fp32"] = errors(method, h, w, ht, wt, beta)
                 except Exception as exc:

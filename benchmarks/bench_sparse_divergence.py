@@ -19,6 +19,8 @@ of memory as OOM, the run goes on):
   lce_patch-trl      fused_linear_sparse_divergence(h, W, ids, logprobs, candidate_mask=mask, beta=0,
                      add_tail_bucket=True, reduction="sum", return_entropy=True) / N: what lce_patch's TRL
                      integration runs in place of TRL's function (TRL's function also returns the entropy sum).
+  lce_patch-trl-fp32, lce_patch-axolotl-fp32
+                     the same with fp32_logits=True, fp32_weight_grad=True (the op's precision options).
   trl                TRL's _chunked_jsd_loss(h, W, None, 1.0, None, ids, logprobs, mask, 0.0, 1.0, True, None, 1,
                      256)[0] / N, as AsyncDistillationTrainer.compute_loss calls it (fp32 logits, 256-row chunks
                      under activation checkpointing).
@@ -89,9 +91,11 @@ QUICK_SHAPES = ("qwen2.5-1.5b-k20-n4096", "llama3.2-1b-k64-n16384")
 # method: loss definition it computes
 METHODS = {
     "lce_patch-trl": "trl",
+    "lce_patch-trl-fp32": "trl",
     "trl": "trl",
     "unfused-trl": "trl",
     "lce_patch-axolotl": "axolotl",
+    "lce_patch-axolotl-fp32": "axolotl",
     "axolotl": "axolotl",
     "axolotl-liger": "axolotl",
     "unfused-axolotl": "axolotl",
@@ -310,13 +314,16 @@ def build(method, data, temperature, device):
     if method.startswith("lce_patch"):
         from lce_patch import fused_linear_sparse_divergence
 
-        if method == "lce_patch-trl":
+        # "-fp32": the op's precision options (fp32 logits, fp32 dW accumulation)
+        precise = dict.fromkeys(("fp32_logits", "fp32_weight_grad"), method.endswith("-fp32"))
+        if method.startswith("lce_patch-trl"):
             t = data["trl"]
 
             def lce_trl():
                 loss, _entropy = fused_linear_sparse_divergence(
                     h, w, t["ids"], t["logprobs"], candidate_mask=t["mask"], beta=TRL_BETA,
                     temperature=TRL_TEMPERATURE, add_tail_bucket=TRL_TAIL, reduction="sum", return_entropy=True,
+                    **precise,
                 )  # fmt: skip
                 return loss / n
 
@@ -324,7 +331,7 @@ def build(method, data, temperature, device):
         t = data["axolotl"]
         return lambda: fused_linear_sparse_divergence(
             h, w, t["ids"], t["logprobs"], candidate_mask=t["mask"], beta=0.0, temperature=temperature,
-            renormalize=False, reduction="sum",
+            renormalize=False, reduction="sum", **precise,
         ) / n  # fmt: skip
     if method == "unfused-trl":
         return lambda: trl_definition_sum(h, w, data["trl"]) / n
@@ -538,7 +545,7 @@ def summary(blocks) -> str:
             if ours is None or ours["status"] != "ok":
                 continue
             for name, r in rows.items():
-                if name in OURS or r["definition"] != ours["definition"]:
+                if name.startswith(OURS) or r["definition"] != ours["definition"]:
                     continue
                 if r["status"] != "ok":
                     ratio, mem = r["status"], "–"

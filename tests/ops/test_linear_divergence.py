@@ -160,6 +160,54 @@ def test_low_precision_inputs_against_float64_of_the_same_inputs(dtype, beta, ba
     assert_matches(fused, reference, rtol=tol, atol=tol)
 
 
+def relative_error(value: torch.Tensor, reference: torch.Tensor) -> float:
+    return float((value.cpu().double() - reference).norm() / reference.norm())
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_fp32_logits_cut_the_bf16_gradient_error(beta, reduction, backend):
+    # bf16 inputs; the reference is float64 on the same rounded inputs, so what is left is the op's own rounding.
+    # Rounding the logits to bf16 moves each probability by ~2^-9 |z| relative, and the gradient is a small
+    # difference of probabilities (p - q and the like): that rounding sets most of the default's error
+    # (~1e-2 here). fp32 logits leave the bf16 rounding of G and of the GEMMs' outputs (~2-4e-3).
+    gen = torch.Generator().manual_seed(int(beta * 10) + (reduction == "none"))
+    rows, vocab, width, teacher_width = 48, 300, 32, 40
+    problem = dict(
+        hidden=torch.randn(rows, width, generator=gen),
+        weight=torch.randn(vocab, width, generator=gen),  # logits of a few units to ~20, as real heads give
+        bias=torch.randn(vocab, generator=gen),
+        teacher_hidden=torch.randn(rows, teacher_width, generator=gen),
+        teacher_weight=torch.randn(vocab, teacher_width, generator=gen),
+    )
+    problem = {k: v.to(torch.bfloat16) for k, v in problem.items()}
+    upstream = None
+    if reduction == "none":  # bf16-exact, so that the reference's upstream is the op's
+        upstream = (torch.rand(rows, generator=gen) + 0.5).to(torch.bfloat16).double()
+    options = dict(beta=beta, softcap=30.0, reduction=reduction)
+    reference = run(naive_linear_divergence, leaves(problem, torch.float64), upstream, **options)
+    errors = {}
+    for precise in (False, True):
+        fused = run(
+            fused_linear_divergence,
+            leaves(problem, torch.bfloat16, device_of(backend)),
+            None if upstream is None else upstream.to(torch.bfloat16),
+            chunk_size=16,
+            backend=backend,
+            fp32_logits=precise,
+            fp32_weight_grad=precise,
+            **options,
+        )
+        assert all(grad.dtype == torch.bfloat16 for grad in fused[2].values())
+        errors[precise] = {name: relative_error(fused[2][name], reference[2][name]) for name in fused[2]}
+        loss_error = relative_error(fused[0], reference[0])
+        assert loss_error < (5e-3 if not precise else 1e-5), loss_error
+    assert all(error < 6e-3 for error in errors[True].values()), errors
+    # dbias is a sum over rows rounded once to bf16 (2^-9): its share of the gain is smaller
+    assert sum(errors[True].values()) < 0.5 * sum(errors[False].values()), errors
+
+
 @pytest.mark.parametrize("beta", BETAS)
 def test_equals_trl_generalized_jsd_loss(beta):
     gkd = pytest.importorskip("trl.experimental.gkd.gkd_trainer")
@@ -257,6 +305,8 @@ def test_views_and_batched_layouts(backend):
         (dict(reduction="none", num_items_in_batch=3), "needs a scalar reduction"),
         (dict(num_items_in_batch=-1), "num_items_in_batch must be >= 0"),
         (dict(weight=torch.randn(V, D, dtype=torch.float16)), "must have one dtype"),
+        (dict(fp32_logits=1), "fp32_logits must be a bool"),
+        (dict(fp32_weight_grad="yes"), "fp32_weight_grad must be a bool"),
     ],
 )
 def test_bad_input_is_refused_with_a_clear_error(change, message):
@@ -268,8 +318,13 @@ def test_bad_input_is_refused_with_a_clear_error(change, message):
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize(
     "options",
-    [dict(), dict(reduction="none", softcap=3.0), dict(reduction="sum", num_items_in_batch=torch.tensor(5), beta=1.0)],
-    ids=["mean", "none-softcap", "sum-num-items"],
+    [
+        dict(),
+        dict(reduction="none", softcap=3.0),
+        dict(reduction="sum", num_items_in_batch=torch.tensor(5), beta=1.0),
+        dict(fp32_logits=True, fp32_weight_grad=True),
+    ],
+    ids=["mean", "none-softcap", "sum-num-items", "fp32"],
 )
 def test_torch_compile_is_one_graph_with_eager_numbers(backend, options):
     # under torch.compile the op is the custom operator lce_patch::linear_divergence; fullgraph fails on any break

@@ -193,6 +193,54 @@ def test_low_precision_inputs_against_float64_of_the_same_inputs(dtype, beta, ba
     assert_matches(fused, reference, rtol=tol, atol=tol)
 
 
+def relative_error(value: torch.Tensor, reference: torch.Tensor) -> float:
+    return float((value.cpu().double() - reference).norm() / reference.norm())
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("beta", BETAS)
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_fp32_logits_cut_the_bf16_gradient_error(beta, reduction, backend):
+    # bf16 inputs; the reference is float64 on the same rounded inputs, so what is left is the op's own rounding.
+    # Rounding the logits to bf16 moves each probability by ~2^-9 |z| relative, and the gradient is a small
+    # difference of probabilities: that rounding sets most of the default's error. fp32 logits leave the
+    # bf16 rounding of G and of the GEMMs' outputs.
+    gen = torch.Generator().manual_seed(int(beta * 10) + 7 * (reduction == "none"))
+    rows, vocab, width, candidates = 48, 300, 32, 8
+    weight = torch.randn(vocab, width, generator=gen)  # logits of a few units to ~20, as real heads give
+    hidden = torch.randn(rows, width, generator=gen)
+    # the teacher's top-K: the student's own likeliest tokens, with log-probabilities of a sharper softmax
+    top = (hidden @ weight.T).topk(candidates, dim=-1)
+    problem = dict(
+        hidden=hidden.to(torch.bfloat16),
+        weight=weight.to(torch.bfloat16),
+        bias=torch.randn(vocab, generator=gen).to(torch.bfloat16),
+        candidate_ids=top.indices,
+        teacher_logprobs=torch.log_softmax(top.values.double() * 1.3, -1),
+    )
+    upstream = None
+    if reduction == "none":  # bf16-exact, so that the reference's upstream is the op's
+        upstream = (torch.rand(rows, generator=gen) + 0.5).to(torch.bfloat16).double()
+    options = dict(beta=beta, softcap=30.0, reduction=reduction, add_tail_bucket=beta == 0.5)
+    reference = run(naive_linear_sparse_divergence, leaves(problem, torch.float64), upstream, **options)
+    errors = {}
+    for precise in (False, True):
+        fused = run(
+            fused_linear_sparse_divergence,
+            leaves(problem, torch.bfloat16, device_of(backend)),
+            None if upstream is None else upstream.float(),
+            chunk_size=16,
+            backend=backend,
+            fp32_logits=precise,
+            fp32_weight_grad=precise,
+            **options,
+        )
+        assert all(grad.dtype == torch.bfloat16 for grad in fused[2].values())
+        errors[precise] = {name: relative_error(fused[2][name], reference[2][name]) for name in fused[2]}
+    assert all(error < 6e-3 for error in errors[True].values()), errors
+    assert sum(errors[True].values()) < 0.5 * sum(errors[False].values()), errors
+
+
 def _trl_inputs(problem: dict) -> dict:
     """TRL's trainer passes only positions with a candidate (``has_teacher_signal``); its log-probabilities at
     padded slots are replaced by -inf inside."""
@@ -512,8 +560,9 @@ def test_views_and_batched_layouts(backend):
         dict(),
         dict(reduction="none", softcap=3.0, add_tail_bucket=True),
         dict(reduction="sum", num_items_in_batch=torch.tensor(5), beta=1.0, renormalize=False),
+        dict(fp32_logits=True, fp32_weight_grad=True),
     ],
-    ids=["mean", "none-softcap-tail", "sum-num-items-as-given"],
+    ids=["mean", "none-softcap-tail", "sum-num-items-as-given", "fp32"],
 )
 def test_torch_compile_is_one_graph_with_eager_numbers(backend, options):
     # the op is the custom operator lce_patch::linear_sparse_divergence; fullgraph fails on any graph break
@@ -585,6 +634,8 @@ def _with(problem: dict, name: str, index, value) -> dict:
         (dict(teacher_logprobs=torch.zeros(N, K, dtype=torch.int64)), "teacher_logprobs has unsupported dtype"),
         (dict(candidate_mask=torch.ones(N, K)), "candidate_mask must be a bool or integer"),
         (dict(candidate_mask=torch.ones(N, K - 1, dtype=torch.bool)), "candidate_mask must have"),
+        (dict(fp32_logits=1), "fp32_logits must be a bool"),
+        (dict(fp32_weight_grad="yes"), "fp32_weight_grad must be a bool"),
     ],
 )
 def test_bad_input_is_refused_with_a_clear_error(change, message):

@@ -20,6 +20,13 @@ OVERLAP_WEIGHT_GRADS = True
 
 
 def matmul_into(out: torch.Tensor, hidden_chunk: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
+    """``out = hidden_chunk @ weight.T (+ bias)``. An ``out`` wider than the inputs (fp32 for bf16/fp16 inputs)
+    takes the GEMM's fp32 accumulator unrounded (:func:`mm_fp32_into`), the bias added in ``out``'s dtype."""
+    if out.dtype != hidden_chunk.dtype:
+        mm_fp32_into(out, hidden_chunk, weight.t())
+        if bias is not None:
+            out.add_(bias)
+        return
     if bias is None:
         torch.mm(hidden_chunk, weight.t(), out=out)
     else:
@@ -76,6 +83,16 @@ def mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     if a.device.type == "cuda":
         return torch.mm(a, b, out_dtype=torch.float32)
     return torch.mm(a.float(), b.float())  # the CPU interpreter's tests: no fp32-output GEMM there
+
+
+def mm_fp32_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """``out = a @ b`` for an fp32 ``out``, accumulated in fp32 and not rounded to the inputs' dtype."""
+    if a.dtype == out.dtype:
+        torch.mm(a, b, out=out)
+    elif a.device.type == "cuda":
+        torch.mm(a, b, out_dtype=out.dtype, out=out)
+    else:  # the CPU interpreter's tests: no fp32-output GEMM there
+        torch.mm(a.to(out.dtype), b.to(out.dtype), out=out)
 
 
 # torch's fp32-output GEMM (``mm(..., out_dtype=)``, CUDA) exists from torch 2.8 on; the package allows older.

@@ -82,7 +82,13 @@ def _final_logits(raw: torch.Tensor, scale: float, softcap: float | None, temper
     return softcap * tanh / temperature, tanh
 
 
-def _project(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype):
+def _project(hidden, weight, bias, dtype: torch.dtype, fp32_logits: bool) -> torch.Tensor:
+    """``hidden @ weight.T (+ bias)`` in ``dtype`` (at least fp32); with ``fp32_logits`` the GEMM's fp32
+    accumulator is kept, otherwise the product is rounded to the inputs' dtype first (as the unfused path)."""
+    if fp32_logits and weight.dtype != dtype:
+        raw = torch.empty(hidden.shape[0], weight.shape[0], dtype=dtype, device=hidden.device)
+        matmul_into(raw, hidden, weight, None if bias is None else bias.to(dtype))
+        return raw
     raw = hidden @ weight.T
     if bias is not None:
         raw = raw + bias
@@ -105,12 +111,11 @@ def chunk_pass(
     gradient with respect to the student's raw logits ``hidden @ W.T + bias``, in the compute dtype.
     """
     dtype = torch.promote_types(weight.dtype, torch.float32)
-    z, tanh = _final_logits(
-        _project(hidden_c, weight, bias, dtype), options.logit_scale, options.softcap, options.temperature
-    )
+    raw = _project(hidden_c, weight, bias, dtype, options.fp32_logits)
+    z, tanh = _final_logits(raw, options.logit_scale, options.softcap, options.temperature)
     with torch.no_grad():
         zt, _ = _final_logits(
-            _project(teacher_hidden_c, teacher_weight, teacher_bias, dtype),
+            _project(teacher_hidden_c, teacher_weight, teacher_bias, dtype, options.fp32_logits),
             options.teacher_logit_scale,
             options.teacher_softcap,
             options.temperature,
@@ -158,15 +163,22 @@ def _run_triton_chunks(hidden, teacher_hidden, weight, bias, teacher_weight, tea
     entropy = torch.empty(num_rows, dtype=torch.float32, device=hidden.device)
     grads = None
     if row_coeff is not None:
-        grads = GradAccumulator(hidden, weight, bias, *options.needs_grad)
+        grads = GradAccumulator(hidden, weight, bias, *options.needs_grad, fp32_weight_grad=options.fp32_weight_grad)
         row_coeff = row_coeff.float()
     # addmm's bias must have the product's dtype (a bias in another dtype: a copy of V elements)
     bias = None if bias is None else bias.to(weight.dtype)
     teacher_bias = None if teacher_bias is None else teacher_bias.to(teacher_weight.dtype)
     spans = chunk_spans(num_rows, options.chunk_rows, fold_tail=True)
     buffer_rows = max(end - start for start, end in spans)
-    student_buffer = torch.empty(buffer_rows, vocab, dtype=weight.dtype, device=hidden.device)
-    teacher_buffer = torch.empty(buffer_rows, vocab, dtype=teacher_weight.dtype, device=hidden.device)
+    # fp32_logits: both GEMMs write fp32, and the gradient goes to a third buffer in the student's dtype
+    # (the dh and dW GEMMs' operand); otherwise it overwrites the student's logits in place.
+    student_dtype = torch.float32 if options.fp32_logits else weight.dtype
+    teacher_dtype = torch.float32 if options.fp32_logits else teacher_weight.dtype
+    student_buffer = torch.empty(buffer_rows, vocab, dtype=student_dtype, device=hidden.device)
+    teacher_buffer = torch.empty(buffer_rows, vocab, dtype=teacher_dtype, device=hidden.device)
+    grad_buffer = student_buffer
+    if grads is not None and student_dtype != weight.dtype:
+        grad_buffer = torch.empty(buffer_rows, vocab, dtype=weight.dtype, device=hidden.device)
     beta = options.beta
     scalars = dict(
         mode=_mode(beta),
@@ -183,12 +195,13 @@ def _run_triton_chunks(hidden, teacher_hidden, weight, bias, teacher_weight, tea
         rows = slice(start, end)
         student = student_buffer[: end - start]
         teacher = teacher_buffer[: end - start]
+        grad = grad_buffer[: end - start]
         matmul_into(student, hidden[rows], weight, bias)
         matmul_into(teacher, teacher_hidden[rows], teacher_weight, teacher_bias)
         coeff = None if row_coeff is None else row_coeff[rows]
-        launch_divergence(student, teacher, coeff, divergence[rows], entropy[rows], **scalars)
+        launch_divergence(student, teacher, coeff, divergence[rows], entropy[rows], grad=grad, **scalars)
         if grads is not None:
-            grads.add(student, hidden[rows], rows)
+            grads.add(grad, hidden[rows], rows)
     return divergence, entropy, grads
 
 
@@ -202,7 +215,9 @@ def run_chunks(hidden, teacher_hidden, weight, bias, teacher_weight, teacher_bia
     dtype = torch.promote_types(weight.dtype, torch.float32)
     divergence = torch.empty(num_rows, dtype=dtype, device=hidden.device)
     entropy = torch.empty(num_rows, dtype=dtype, device=hidden.device)
-    grads = GradAccumulator(hidden, weight, bias, *options.needs_grad) if row_coeff is not None else None
+    grads = None
+    if row_coeff is not None:
+        grads = GradAccumulator(hidden, weight, bias, *options.needs_grad, fp32_weight_grad=options.fp32_weight_grad)
     for start, end in chunk_spans(num_rows, options.chunk_rows):
         hidden_c = hidden[start:end]
         coeff = None if row_coeff is None else row_coeff[start:end]

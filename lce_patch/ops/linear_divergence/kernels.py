@@ -68,8 +68,9 @@ def _log_probs(
 
 @triton.jit
 def _store_grad(row_ptr, cols, in_row, grad_z, raw_factor, coeff, tanh, HAS_SOFTCAP: tl.constexpr):
-    """Overwrite the student's raw logits at ``cols`` with their gradient, from the gradient with respect to
-    the final logits; a row whose coefficient is 0 (unselected) gets exact zeros, even from a non-finite row."""
+    """Write the gradient with respect to the raw logits at ``cols`` of a gradient row (the student's logits'
+    own row when written in place), from the gradient with respect to the final logits; a row whose
+    coefficient is 0 (unselected) gets exact zeros, even from a non-finite row."""
     grad = grad_z * raw_factor
     if HAS_SOFTCAP:
         grad = grad * (1.0 - tanh * tanh)
@@ -91,6 +92,8 @@ def _divergence_kernel(
     student_row_stride,
     teacher_ptr,
     teacher_row_stride,
+    grad_ptr,
+    grad_row_stride,
     coeff_ptr,
     divergence_ptr,
     entropy_ptr,
@@ -110,6 +113,7 @@ def _divergence_kernel(
     row = tl.program_id(0).to(tl.int64)
     s_row = student_ptr + row * student_row_stride
     t_row = teacher_ptr + row * teacher_row_stride
+    g_row = grad_ptr + row * grad_row_stride
     offsets = tl.arange(0, BLOCK_V)
 
     # Pass 1: log-sum-exp of both rows. One running max per row and model; the per-lane sums are
@@ -157,7 +161,7 @@ def _divergence_kernel(
             q = tl.exp(t)
             divergence += tl.where(in_row, q * (t - s), 0.0)
             if WRITE_GRAD:
-                _store_grad(s_row, cols, in_row, p - q, raw_factor, coeff, tanh, HAS_SOFTCAP)
+                _store_grad(g_row, cols, in_row, p - q, raw_factor, coeff, tanh, HAS_SOFTCAP)
         elif MODE == 1:
             divergence += tl.where(in_row, p * (s - t), 0.0)
         else:
@@ -185,7 +189,7 @@ def _divergence_kernel(
             else:
                 mixture = _log_mixture(p, tl.exp(t), beta)
                 grad = p * ((1.0 - beta) * (s - mixture) - row_p_a)
-            _store_grad(s_row, cols, in_row, grad, raw_factor, coeff, tanh, HAS_SOFTCAP)
+            _store_grad(g_row, cols, in_row, grad, raw_factor, coeff, tanh, HAS_SOFTCAP)
 
 
 def launch_divergence(
@@ -195,6 +199,7 @@ def launch_divergence(
     divergence: torch.Tensor,
     entropy: torch.Tensor,
     *,
+    grad: torch.Tensor | None = None,
     mode: int,
     beta: float,
     logit_scale: float,
@@ -205,14 +210,18 @@ def launch_divergence(
     block_v: int,
     num_warps: int,
 ) -> None:
-    """Run the kernel over the rows of ``student`` and ``teacher`` ([C, V] raw logits, row-contiguous);
-    ``coeff`` [C] fp32 (None: no gradient), ``divergence`` and ``entropy`` [C] fp32 outputs."""
+    """Run the kernel over the rows of ``student`` and ``teacher`` ([C, V] raw logits, row-contiguous, in any
+    float dtype); ``coeff`` [C] fp32 (None: no gradient), ``divergence`` and ``entropy`` [C] fp32 outputs;
+    ``grad`` [C, V] (row-contiguous) takes the gradient, ``student`` itself when None (in place)."""
     rows, vocab_size = student.shape
+    grad = student if grad is None else grad
     _divergence_kernel[(rows,)](
         student,
         student.stride(0),
         teacher,
         teacher.stride(0),
+        grad,
+        grad.stride(0),
         coeff if coeff is not None else divergence,
         divergence,
         entropy,

@@ -24,7 +24,9 @@ class DivergenceOptions:
     ``softcap`` is None), the teacher's the same with its own softcap and scale. ``beta``: the generalized JSD's
     mixture weight. ``reduction``: "mean" (over selected rows), "sum" or "none" ("mean" and "sum" become
     ``1 / num_items`` when a count is given). ``chunk_rows``: token rows per chunk. ``needs_grad``: whether
-    (hidden, weight, bias) get gradients.
+    (hidden, weight, bias) get gradients. ``fp32_logits``: both models' logits kept in fp32 from the GEMMs'
+    accumulators (bf16/fp16 inputs; no effect on fp32/fp64). ``fp32_weight_grad``: a bf16 dW accumulated in fp32
+    over the chunks and rounded once.
     """
 
     beta: float = 0.5
@@ -37,6 +39,8 @@ class DivergenceOptions:
     chunk_rows: int = 1024
     use_triton: bool = False
     needs_grad: tuple[bool, bool, bool] = (False, False, False)
+    fp32_logits: bool = False
+    fp32_weight_grad: bool = False
 
     @property
     def scalar(self) -> bool:

@@ -11,7 +11,9 @@ backward multiplies by the upstream gradient); ``reduction="none"`` recomputes e
 every token's upstream gradient.
 
 The torch rows (any device, float64 too) upcast each chunk's logits to at least fp32 and keep about four such
-temporaries; the Triton rows keep only the buffer, in the compute dtype.
+temporaries; the Triton rows keep only the buffer, in the compute dtype. With ``fp32_logits`` the buffer holds the
+GEMM's fp32 accumulator unrounded (the torch rows upcast that instead of bf16 logits) and the Triton rows add a
+second buffer, in the compute dtype, for the gradient.
 """
 
 from __future__ import annotations
@@ -72,6 +74,20 @@ def _derivative(tanh: torch.Tensor | None, options: SparseDivergenceOptions):
     return (1 - tanh * tanh) * options.derivative_scale
 
 
+def _grad_at_candidates(student, g, ids, coeff, factor, derivative) -> torch.Tensor:
+    """G at the candidate ids [C, K], in the stats dtype: the dense part ``p * factor`` plus the ``g * coeff`` of
+    every candidate with that id (repeated ids add up), times dz/draw; 0 in rows whose coefficient is 0.
+
+    Written over the dense kernel's values at the ids (a scatter, each rounded once; repeated ids write the same
+    value), rather than added to them: a scatter_add_ into the rounded dense part would round these logits twice,
+    and at the candidates the two terms are the largest of the row and nearly cancel."""
+    same_id = ids[:, :, None] == ids[:, None, :]
+    first = same_id.to(torch.uint8).argmax(dim=-1)  # each slot's first slot with its id
+    g_of_id = torch.zeros_like(g).scatter_add_(1, first, g).gather(1, first)
+    total = (student.exp() * factor[:, None] + g_of_id * coeff[:, None]) * derivative
+    return torch.where((coeff != 0)[:, None], total, torch.zeros((), dtype=total.dtype, device=total.device))
+
+
 class _Rows:
     """The inputs of the chunk loop: 2-D hidden, the head, and the candidates (ids 0 where masked)."""
 
@@ -95,10 +111,16 @@ def run_chunks(rows: _Rows, options: SparseDivergenceOptions, row_coeff: torch.T
     entropy = torch.empty(num_rows, dtype=stats, device=device) if options.entropy else None
     grads = None
     if row_coeff is not None:
-        grads = GradAccumulator(hidden, weight, rows.bias, *needs)
+        grads = GradAccumulator(hidden, weight, rows.bias, *needs, fp32_weight_grad=options.fp32_weight_grad)
         row_coeff = row_coeff.to(stats)
     spans = resolve_chunks(options.chunk_size, num_rows, hidden, weight, options.use_triton, row_coeff is not None)
-    buffer = torch.empty(buffer_rows(spans), vocab, dtype=weight.dtype, device=device)
+    # fp32_logits: the GEMM writes fp32 logits and the gradient goes to a second buffer in the weight's dtype
+    # (the dh and dW GEMMs' operand); otherwise it overwrites the logits in place.
+    buffer_dtype = torch.promote_types(weight.dtype, torch.float32) if options.fp32_logits else weight.dtype
+    buffer = torch.empty(buffer_rows(spans), vocab, dtype=buffer_dtype, device=device)
+    grad_buffer = buffer
+    if grads is not None and options.use_triton and buffer_dtype != weight.dtype:
+        grad_buffer = torch.empty(buffer.shape, dtype=weight.dtype, device=device)
     kernel_args = dict(
         softcap=options.softcap,
         logit_scale=options.logit_scale,
@@ -132,15 +154,11 @@ def run_chunks(rows: _Rows, options: SparseDivergenceOptions, row_coeff: torch.T
         coeff = row_coeff[span]
         selected = coeff != 0
         factor = -g.sum(-1) * coeff
-        at_ids = torch.where(
-            selected[:, None],
-            g * coeff[:, None] * _derivative(tanh_at_ids, options),
-            torch.zeros((), dtype=stats, device=device),
-        )
         if options.use_triton:
-            launch_dense_grad(logits, lse, factor.float(), **kernel_args)
-            logits.scatter_add_(1, ids, at_ids.to(logits.dtype))
-            grad_chunk = logits
+            grad_chunk = grad_buffer[: end - start]
+            launch_dense_grad(logits, lse, factor.float(), grad=grad_chunk, **kernel_args)
+            at_ids = _grad_at_candidates(student, g, ids, coeff, factor, _derivative(tanh_at_ids, options))
+            grad_chunk.scatter_(1, ids, at_ids.to(grad_chunk.dtype))
         else:
             grad = probs * factor[:, None]
             grad.scatter_add_(1, ids, g * coeff[:, None])

@@ -7,6 +7,7 @@ import torch
 
 from ..core import checks
 from ..core.backend import resolve_backend
+from ..core.grads import fp32_output_gemm_available
 from .custom_op import linear_sparse_divergence
 from .options import OP_NAME, SparseDivergenceOptions, fail
 
@@ -93,6 +94,8 @@ def fused_linear_sparse_divergence(
     backend: str = "auto",
     chunk_size: int | None = None,
     return_entropy: bool = False,
+    fp32_logits: bool = False,
+    fp32_weight_grad: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Distillation loss against a teacher known only at K candidate tokens per position (its top-K), a chunk of
     tokens at a time.
@@ -156,6 +159,12 @@ def fused_linear_sparse_divergence(
         chunk_size: token rows per chunk (default: the package's chunk policy; one [chunk, V] buffer).
         return_entropy: also return the student's per-token entropy over the whole vocabulary at
             ``temperature`` (no gradient), computed in the same pass.
+        fp32_logits: keep the student's logits as the GEMM's fp32 accumulator instead of rounding them to
+            bf16/fp16 first (as the unfused path and the default do). The gradient is a small difference of
+            probabilities, so that rounding sets most of dh's and dW's error at bf16 (measured: the op page); costs
+            an fp32 buffer and a gradient buffer in place of the one bf16 buffer, and the time on that page. No
+            effect on fp32 and fp64 inputs.
+        fp32_weight_grad: accumulate a bf16 ``weight``'s gradient in fp32 over the chunks and round it once.
 
     Returns:
         The loss (0-d, or [...] per position for "none"; fp32, fp64 for float64 inputs); with ``return_entropy``,
@@ -165,6 +174,8 @@ def fused_linear_sparse_divergence(
     use_triton = resolve_backend(backend, hidden.device, hidden.dtype, OP_NAME)
     if num_items_in_batch is not None and reduction == "none":
         fail("num_items_in_batch needs a scalar reduction ('mean' or 'sum'), not 'none'")
+    if fp32_logits is True and not fp32_output_gemm_available(hidden.device):
+        fail("fp32_logits needs torch's fp32-output GEMM (torch.mm(..., out_dtype=), torch >= 2.8) on CUDA")
     grad_on = torch.is_grad_enabled()
     options = SparseDivergenceOptions(
         beta=beta,
@@ -182,6 +193,8 @@ def fused_linear_sparse_divergence(
             grad_on and weight.requires_grad,
             grad_on and bias is not None and bias.requires_grad,
         ),
+        fp32_logits=fp32_logits,
+        fp32_weight_grad=fp32_weight_grad,
     )
     leading = hidden.shape[:-1]
     num_candidates = candidate_ids.shape[-1]

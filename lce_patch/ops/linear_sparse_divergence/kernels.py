@@ -9,13 +9,14 @@ the normalizer (a log-sum-exp over V) is the only part that touches every logit;
 Per chunk of C tokens:
 
 1. one cuBLAS GEMM writes the raw logits ``hidden_c @ W.T (+ bias)`` into a ``[C, V]`` buffer in the compute
-   dtype (reused by every chunk);
+   dtype (reused by every chunk), or with ``fp32_logits`` its fp32 accumulator unrounded into an fp32 buffer;
 2. ``_row_stats_kernel`` (one program per row) reads the row once: the online log-sum-exp of the final logits
    ``z = softcap * tanh(logit_scale * raw / softcap) / temperature`` and, when asked, the entropy
    ``H = lse - sum p z``, accumulated in the same pass (shifted by the running max and rescaled with it);
 3. in torch, the buffer is gathered at the K ids (``[C, K]``), ``s_k = z_k - lse``, and the small loss math
    (``sparse.py``) gives the per-token divergence and ``g_k = dLoss / ds_k``;
-4. with a gradient, ``_dense_grad_kernel`` overwrites the row with ``-p * S * dz/draw`` (``S = sum_k g_k``,
+4. with a gradient, ``_dense_grad_kernel`` overwrites the row (with ``fp32_logits``: writes a second buffer in
+   the compute dtype, the GEMMs' operand) with ``-p * S * dz/draw`` (``S = sum_k g_k``,
    times the row's upstream coefficient), and a ``scatter_add_`` of ``g_k * dz/draw`` at the K ids completes
    ``G = (scatter(g) - p S) * dz/draw``, the gradient with respect to the raw logits; then ``dh_c = G @ W`` and
    ``dW += G.T @ hidden_c`` (``core.grads.GradAccumulator``).
@@ -84,6 +85,8 @@ def _row_stats_kernel(
 def _dense_grad_kernel(
     logits_ptr,
     row_stride,
+    grad_ptr,
+    grad_row_stride,
     lse_ptr,
     factor_ptr,
     vocab_size,
@@ -93,10 +96,11 @@ def _dense_grad_kernel(
     HAS_SOFTCAP: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
-    """Overwrite each row's raw logits with ``p * factor * dz/draw``; a row whose factor is 0 gets exact zeros
-    (even a non-finite row)."""
+    """Write ``p * factor * dz/draw`` to each gradient row (the logits' own row when in place); a row whose factor
+    is 0 gets exact zeros (even a non-finite row)."""
     row = tl.program_id(0).to(tl.int64)
     row_ptr = logits_ptr + row * row_stride
+    grad_row = grad_ptr + row * grad_row_stride
     offsets = tl.arange(0, BLOCK_V)
     lse = tl.load(lse_ptr + row)
     factor = tl.load(factor_ptr + row)
@@ -110,7 +114,7 @@ def _dense_grad_kernel(
         if HAS_SOFTCAP:
             grad = grad * (1.0 - tanh * tanh)
         grad = tl.where(factor != 0.0, grad, 0.0)
-        tl.store(row_ptr + cols, grad.to(row_ptr.dtype.element_ty), mask=in_row)
+        tl.store(grad_row + cols, grad.to(grad_row.dtype.element_ty), mask=in_row)
 
 
 def _scalars(softcap: float | None, logit_scale: float, temperature: float) -> dict:
@@ -154,18 +158,22 @@ def launch_dense_grad(
     lse: torch.Tensor,
     factor: torch.Tensor,
     *,
+    grad: torch.Tensor | None = None,
     softcap: float | None,
     logit_scale: float,
     temperature: float,
     block_v: int,
     num_warps: int,
 ) -> None:
-    """Overwrite ``logits`` [C, V] (raw, row-contiguous) with ``p * factor[:, None] * dz/draw``; ``lse`` and
-    ``factor`` [C] fp32."""
+    """Write ``p * factor[:, None] * dz/draw`` for ``logits`` [C, V] (raw, row-contiguous, any float dtype) into
+    ``grad`` [C, V] (row-contiguous; None: over ``logits`` in place); ``lse`` and ``factor`` [C] fp32."""
     rows, vocab_size = logits.shape
+    grad = logits if grad is None else grad
     _dense_grad_kernel[(rows,)](
         logits,
         logits.stride(0),
+        grad,
+        grad.stride(0),
         lse,
         factor,
         vocab_size,

@@ -29,7 +29,9 @@ class SparseDivergenceOptions:
     both distributions are renormalized over the candidates (or taken as they are). ``reduction``: "mean" (over
     positions with a candidate), "sum" or "none"; a scalar reduction becomes ``1 / num_items`` when a count is
     given. ``chunk_size``: token rows per chunk (None: the shared chunk policy). ``entropy``: also compute the
-    student's per-token entropy. ``needs_grad``: whether (hidden, weight, bias) get gradients.
+    student's per-token entropy. ``needs_grad``: whether (hidden, weight, bias) get gradients. ``fp32_logits``:
+    the logits kept as the GEMM's fp32 accumulator (bf16/fp16 inputs). ``fp32_weight_grad``: a bf16 dW
+    accumulated in fp32 over the chunks and rounded once.
     """
 
     beta: float = 0.0
@@ -43,6 +45,8 @@ class SparseDivergenceOptions:
     use_triton: bool = False
     entropy: bool = False
     needs_grad: tuple[bool, bool, bool] = (False, False, False)
+    fp32_logits: bool = False
+    fp32_weight_grad: bool = False
 
     def __post_init__(self) -> None:
         check_real("beta", self.beta)
@@ -51,7 +55,7 @@ class SparseDivergenceOptions:
         check_real("temperature", self.temperature, positive=True)
         check_real("softcap", self.softcap, positive=True, allow_none=True)
         check_real("logit_scale", self.logit_scale)
-        for name in ("add_tail_bucket", "renormalize", "use_triton", "entropy"):
+        for name in ("add_tail_bucket", "renormalize", "use_triton", "entropy", "fp32_logits", "fp32_weight_grad"):
             if not isinstance(getattr(self, name), bool):
                 fail(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.add_tail_bucket and not self.renormalize:
