@@ -36,6 +36,7 @@ import torch
 from transformers import PreTrainedModel, Trainer, TrainerCallback
 
 from ..models import LCEOptions, apply_fused_lce, loss_only, unwrap_causal_lm
+from ..models.loss_options import EXTRA_OUTPUTS
 
 _WRAPPED_ATTR = "__lce_patch_wrapped__"
 
@@ -63,6 +64,20 @@ def _running_trainer(callback: TrainerCallback) -> Trainer | None:
         return None
     finally:
         del frame
+
+
+def _ignoring_extra_outputs(trainer: Trainer, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
+    """``prediction_step``'s arguments with ``lse`` and ``token_accuracy`` added to its ``ignore_keys``: the Trainer
+    hands every output but the loss to ``compute_metrics`` as the predictions, where they would join the logits."""
+    if args:
+        ignore_keys, args = args[0], args[1:]
+    else:
+        ignore_keys = kwargs.pop("ignore_keys", None)
+    if ignore_keys is None:  # the Trainer's own default
+        config = getattr(trainer.model, "config", None)
+        ignore_keys = getattr(config, "keys_to_ignore_at_inference", ["cache"]) if config is not None else []
+    kwargs["ignore_keys"] = [*ignore_keys, *(name for name in EXTRA_OUTPUTS if name not in ignore_keys)]
+    return args, kwargs
 
 
 class FusedLCECallback(TrainerCallback):
@@ -161,6 +176,8 @@ class FusedLCECallback(TrainerCallback):
                         "False), but FusedLCECallback was given return_logits_in_eval=False. Drop that option or "
                         "set it to True."
                     )
+                if not prediction_loss_only and any(callback.options.get(f"return_{name}") for name in EXTRA_OUTPUTS):
+                    args, kwargs = _ignoring_extra_outputs(trainer, args, kwargs)
                 with loss_only(bool(prediction_loss_only)):
                     return step(model, inputs, prediction_loss_only, *args, **kwargs)
 

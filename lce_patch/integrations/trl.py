@@ -273,6 +273,14 @@ class _Install:
 
 
 def _op_kwargs(options: dict[str, Any]) -> dict[str, Any]:
+    # the model-level loss options of the patched forward: TRL's losses are computed from its own forward
+    for name in ("class_weights", "return_lse", "return_token_accuracy"):
+        if options.get(name) is not None and options.get(name) is not False:
+            raise ValueError(
+                f"lce_patch: option {name} cannot apply under TRL's fused LM head, whose loss the trainer computes "
+                "from per-token log-probabilities (the patched model's forward, which honours it, is not called); "
+                "leave it unset"
+            )
     for name, neutral in _NEUTRAL_OPTIONS.items():
         if name in options and options[name] != neutral:
             raise ValueError(

@@ -3,8 +3,10 @@
 ``apply_fused_lce(model)`` (``patch.py``) checks its options (``options.py``) and wraps the model's own
 ``forward`` (per instance, or per class for a ``model_type`` string) so that, in training, its LM head computes
 the fused loss and its ``loss_function`` returns it (``forward.py``, ``head.py``, with PEFT adapters on the head
-resolved by ``adapters.py``), or runs unfused where it cannot stand in (``fallback.py``); the registry
-(``registry.py``) derives each architecture's logit transform; ``revert_fused_lce`` undoes it.
+resolved by ``adapters.py``), or runs unfused where it cannot stand in (``fallback.py``); the loss options
+Hugging Face's loss lacks (class and token weights, the ``lse`` / ``token_accuracy`` outputs) are in
+``loss_options.py``; the registry (``registry.py``) derives each architecture's logit transform;
+``revert_fused_lce`` undoes it.
 """
 
 from .adapters import resolve_head_module, unwrap_causal_lm

@@ -18,6 +18,11 @@ returns them, unless the caller says it needs the loss only (``return_logits_in_
 ``skip_logits=True``, or :func:`loss_only`, which ``FusedLCECallback`` uses around the Trainer's
 loss-only evaluation steps). Every other call (no ``labels``, ``logits_to_keep``) is the original forward.
 
+The loss options Hugging Face's loss lacks (``loss_options.py``): a call's ``token_weights`` (taken out of the
+call here, so the model never sees them) and the model's ``class_weights`` reach the op; ``return_lse`` and
+``return_token_accuracy`` add the op's ``lse`` and ``token_accuracy`` to the output. A call with labels that
+runs unfused while any of them is in effect computes that same loss from the logits (``LogitsLoss``).
+
 Where the fused loss cannot stand in for what the user set up on the model, a call runs the original,
 unfused forward and warns once per model, saying why (``fallback.py``'s :func:`unfused_reason`): a custom
 ``loss_function``, a forward hook on the LM head or on the model's output, or, under a class patch, a
@@ -40,6 +45,7 @@ from ..ops.linear_cross_entropy.vocab_parallel import is_dtensor
 from .adapters import resolve_head_module
 from .fallback import unfused_reason, warn_unfused
 from .head import SLOT_ATTR, JobSlot, install_interceptor
+from .loss_options import LogitsLoss, check_token_weights, op_class_weights, op_token_weights, with_loss_outputs
 from .options import OPTIONS_ATTR, LCEOptions
 from .registry import HeadConfig
 
@@ -86,16 +92,20 @@ class LossJob:
         options: LCEOptions,
         call: dict[str, Any],
         want_logits: bool = False,
+        token_weights: torch.Tensor | None = None,
     ) -> None:
         self.model_name = type(model).__name__
         self.head_config = head_config
         self.options = options
         self.want_logits = want_logits
+        self.token_weights = token_weights  # the labels' (or shift_labels') shape, checked by the forward
         self.labels = call.get("labels")
         self.shift_labels = call.get("shift_labels")
         self.ignore_index = call.get("ignore_index", options.ignore_index)
         self.num_items_in_batch = call.get("num_items_in_batch")
         self.loss: torch.Tensor | None = None
+        self.lse: torch.Tensor | None = None
+        self.token_accuracy: torch.Tensor | None = None
         self.returned = False
         self.read_valid_count = None
         if options.skip_ignored and not torch.compiler.is_compiling():
@@ -124,6 +134,10 @@ class LossJob:
             )
         targets, shift = self._targets()
         num_valid_tokens = self.read_valid_count() if self.read_valid_count is not None else None
+        options = self.options
+        token_weights = None
+        if self.token_weights is not None:
+            token_weights = op_token_weights(self.token_weights, shift, hidden.device)
         loss = fused_linear_cross_entropy(
             hidden,
             weight,
@@ -144,7 +158,13 @@ class LossJob:
             low_rank_hidden=low_rank[0] if low_rank is not None else None,
             low_rank_weight=low_rank[1] if low_rank is not None else None,
             fp32_weight_grad=self.options.fp32_weight_grad,
+            class_weights=op_class_weights(options, hidden),
+            token_weights=token_weights,
+            return_lse=options.return_lse,
+            return_token_accuracy=options.return_token_accuracy,
         )
+        if options.returns_extras:
+            loss, self.lse, self.token_accuracy = loss
         self.loss = self._as_hugging_face(loss, targets, shift, num_valid_tokens)
         if self.want_logits:  # evaluation that keeps the logits: the head's real output, the loss still fused
             logits = _head_logits(hidden, weight, bias)
@@ -210,10 +230,15 @@ class LossFunctionStandIn:
         self.default = default
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        job = self.slot.job
+        slot = self.slot
+        job = slot.job
         if job is not None:
             return job.loss_function(*args, **kwargs)
-        return (self.previous or self.default)(*args, **kwargs)
+        function = self.previous or self.default
+        logits_loss = slot.logits_loss
+        if logits_loss is not None:  # an unfused call with loss options the model's own loss lacks
+            return logits_loss(function, *args, **kwargs)
+        return function(*args, **kwargs)
 
 
 def ensure_slot(model: torch.nn.Module) -> JobSlot:
@@ -299,20 +324,33 @@ def make_forward(original: Any, head_config_of: Any) -> Any:
         # One flat name -> value view of the call, whether a name is a parameter or went into **kwargs.
         call = {k: v for k, v in arguments.items() if k not in ("self", var_kw)}
         call.update(arguments.get(var_kw, {}))
+        token_weights = call.pop("token_weights", None)
+        kwargs.pop("token_weights", None)  # ours: the model's forward never sees it
         logits_to_keep = call.get("logits_to_keep", 0)
         # Hugging Face computes a loss only when ``labels`` are given (``shift_labels`` alone: logits, no loss)
-        fuse = call.get("labels") is not None and isinstance(logits_to_keep, int) and logits_to_keep == 0
+        has_labels = call.get("labels") is not None
+        if token_weights is not None:
+            _check_call_token_weights(token_weights, call)
+        fuse = has_labels and isinstance(logits_to_keep, int) and logits_to_keep == 0
+        from_logits = has_labels and _needs_logits_loss(options, token_weights)
         if not fuse:
+            if from_logits:
+                _refuse_custom_loss_with_weights(self, options, token_weights, "it sets logits_to_keep")
+                return _run_unfused(self, call_original, kwargs, options, call, token_weights)
             return call_original(**kwargs)
         want_logits = _wants_logits(self, options, skip_logits)
         reason = unfused_reason(self, forward, want_logits, _user_loss_function(self))
         if reason is not None:
+            if from_logits:
+                _refuse_custom_loss_with_weights(self, options, token_weights, reason)
             warn_unfused(self, ensure_slot(self), reason)
+            if from_logits:  # the loss options, from the logits its loss_function receives
+                return _run_unfused(self, call_original, kwargs, options, call, token_weights)
             return call_original(**kwargs)
         slot = ensure_slot(self)
         if slot.job is not None:
             raise RuntimeError(f"lce_patch: {type(self).__name__}'s forward re-entered itself; not supported")
-        job = LossJob(self, head_config_of(self), options, call, want_logits=want_logits)
+        job = LossJob(self, head_config_of(self), options, call, want_logits=want_logits, token_weights=token_weights)
         slot.job = job
         try:
             outputs = call_original(**kwargs)
@@ -324,7 +362,10 @@ def make_forward(original: Any, head_config_of: Any) -> Any:
             slot.job = None
         if not job.returned:
             raise _loss_outside_loss_function(self)
-        return outputs if job.want_logits else _without_stand_in(outputs)
+        outputs = outputs if job.want_logits else _without_stand_in(outputs)
+        if options.returns_extras:
+            outputs = with_loss_outputs(outputs, job.lse, job.token_accuracy)
+        return outputs
 
     functools.update_wrapper(forward, original, updated=())
     del forward.__wrapped__
@@ -364,6 +405,64 @@ class BoundForward:
 
     def __reduce__(self) -> tuple:
         return (BoundForward.of, (self.__self__, self._head_config_of))
+
+
+def _check_call_token_weights(token_weights: Any, call: dict[str, Any]) -> None:
+    """A call's token weights: only with labels, and of the shape of the labels the loss reads."""
+    if call.get("labels") is None:
+        raise ValueError(
+            "lce_patch: token_weights weigh the loss, which a call computes only when it is given labels; this "
+            "call has none"
+        )
+    shift_labels = call.get("shift_labels")
+    targets, name = (shift_labels, "shift_labels") if shift_labels is not None else (call["labels"], "labels")
+    check_token_weights(token_weights, targets, name)
+
+
+def _needs_logits_loss(options: LCEOptions, token_weights: torch.Tensor | None) -> bool:
+    """Whether an unfused call's loss (or output) needs more than the model's own loss function."""
+    return options.class_weights is not None or token_weights is not None or options.returns_extras
+
+
+def _refuse_custom_loss_with_weights(
+    model: torch.nn.Module, options: LCEOptions, token_weights: torch.Tensor | None, reason: str
+) -> None:
+    """An unfused call's loss is its ``loss_function``'s: a custom one cannot apply the weights."""
+    user_loss = _user_loss_function(model)
+    if (options.class_weights is None and token_weights is None) or user_loss is None:
+        return
+    from transformers.loss.loss_utils import LOSS_MAPPING
+
+    if user_loss is not LOSS_MAPPING["ForCausalLM"]:
+        raise ValueError(
+            f"lce_patch: this call cannot run fused ({reason}), and its loss would then be the custom "
+            "loss_function's, which cannot apply class_weights or token_weights; remove the custom "
+            "loss_function (or the weights)"
+        )
+
+
+def _run_unfused(
+    model: torch.nn.Module,
+    call_original: Any,
+    kwargs: dict[str, Any],
+    options: LCEOptions,
+    call: dict[str, Any],
+    token_weights: torch.Tensor | None,
+) -> Any:
+    """The model's own forward, its ``loss_function`` computing the loss options from the logits (``LogitsLoss``)."""
+    slot = ensure_slot(model)
+    loss = LogitsLoss(options, call.get("ignore_index", options.ignore_index), token_weights)
+    previous = slot.logits_loss
+    slot.logits_loss = loss
+    try:
+        outputs = call_original(**kwargs)
+    finally:
+        slot.logits_loss = previous
+    if not loss.called:
+        raise _loss_outside_loss_function(model)
+    if options.returns_extras:
+        outputs = with_loss_outputs(outputs, loss.lse, loss.token_accuracy)
+    return outputs
 
 
 def _loss_outside_loss_function(model: torch.nn.Module) -> RuntimeError:

@@ -104,6 +104,16 @@ class JobSlot:
     def job(self, job: Any) -> None:
         self._local.job = job
 
+    @property
+    def logits_loss(self) -> Any:
+        """The loss the model's ``loss_function`` computes from the logits during an unfused call that has loss
+        options the model's own loss lacks (``forward.LogitsLoss``), in this thread; None otherwise."""
+        return getattr(self._local, "logits_loss", None)
+
+    @logits_loss.setter
+    def logits_loss(self, loss: Any) -> None:
+        self._local.logits_loss = loss
+
     def __deepcopy__(self, memo: dict) -> JobSlot:
         return self
 

@@ -4,23 +4,109 @@ attribute that holds them on the model (or on its class, for a class patch).
 Most options are passed on to the op. They are checked up front by building the op's own options object from
 them (:class:`CrossEntropyOptions`, whose construction is the op's checks), so that a bad option fails at
 ``apply_fused_lce`` (and at ``FusedLCECallback(...)``) rather than at the first training step.
+
+``class_weights`` is a tensor, which a frozen, compared and hashed options object cannot hold as is: it is kept
+as a :class:`ClassWeights`, an immutable copy compared by value, which also holds the copies the op reads (one
+per device and dtype, made on first use instead of on every step).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import threading
 from dataclasses import dataclass
 from typing import Any
 
-from ..ops.linear_cross_entropy.options import OP_NAME, CrossEntropyOptions
+import torch
+
+from ..ops.core.checks import check_weights
+from ..ops.linear_cross_entropy.inputs import loss_weights
+from ..ops.linear_cross_entropy.options import OP_NAME, CrossEntropyOptions, check_flag, fail
 
 # Where apply_fused_lce stores the LCEOptions: on the instance, or on the class for a class patch.
 OPTIONS_ATTR = "_lce_patch_options"
 
 
+def _as_ours(error: ValueError) -> ValueError:
+    """The op's message, under the name the user called."""
+    return ValueError(str(error).replace(f"{OP_NAME}:", "lce_patch:", 1))
+
+
+class ClassWeights:
+    """``LCEOptions.class_weights``: one loss weight per vocabulary entry (as ``torch.nn.CrossEntropyLoss(weight=)``).
+
+    Holds a float64 CPU copy of the tensor it was given (later changes to that tensor do not reach it) and
+    compares by value: two option sets with equal weights are equal, with different weights unequal. The op
+    reads :meth:`on`'s copy for the head's device, made once per device and dtype and reused on every step.
+    Deep copies share it (it is immutable); pickling keeps the values only.
+    """
+
+    __slots__ = ("_values", "_hash", "_copies", "_lock")
+
+    def __init__(self, weights: torch.Tensor) -> None:
+        """``weights``: [V], floating point, finite and >= 0 (any device); checked by the op's own checks."""
+        if isinstance(weights, torch.Tensor) and weights.dim() != 1:
+            raise ValueError(f"lce_patch: class_weights must be a 1-D tensor [V], got shape {tuple(weights.shape)}")
+        try:
+            vocab = weights.shape[0] if isinstance(weights, torch.Tensor) else 0
+            device = weights.device if isinstance(weights, torch.Tensor) else None
+            loss_weights(None, weights, (1,), vocab, device, CrossEntropyOptions())
+            values = weights.detach().to("cpu", torch.float64, copy=True)
+            check_weights(values, "class_weights", OP_NAME)  # on the CPU copy: a ValueError, also for CUDA weights
+        except ValueError as error:
+            raise _as_ours(error) from None
+        self._values = values
+        self._hash = hash(values.numpy().tobytes())  # once: the options are hashed and compared often
+        self._copies: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+        self._lock = threading.Lock()
+
+    @property
+    def values(self) -> torch.Tensor:
+        """The weights: [V] float64 on the CPU (a copy)."""
+        return self._values.clone()
+
+    def __len__(self) -> int:
+        return self._values.shape[0]
+
+    def on(self, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+        """The weights on ``device`` in ``dtype`` ([V]), made on the first call for that pair and reused."""
+        key = (torch.device(device), dtype)
+        copy = self._copies.get(key)
+        if copy is None:
+            with self._lock:
+                copy = self._copies.get(key)
+                if copy is None:
+                    copy = self._values.to(device=key[0], dtype=dtype)
+                    self._copies[key] = copy
+        return copy
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, ClassWeights):
+            return NotImplemented
+        return self is other or (self._hash == other._hash and torch.equal(self._values, other._values))
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __repr__(self) -> str:
+        values = self._values
+        return f"ClassWeights(V={len(self)}, min={float(values.min()):.4g}, max={float(values.max()):.4g})"
+
+    def __reduce__(self) -> tuple:
+        return (ClassWeights, (self._values,))
+
+    def __deepcopy__(self, memo: dict) -> ClassWeights:
+        return self
+
+
 @dataclass(frozen=True)
 class LCEOptions:
-    """Options of a patched model (stored on the model instance, or on the class for a class patch)."""
+    """Options of a patched model (stored on the model instance, or on the class for a class patch).
+
+    ``class_weights`` may be given as a [V] tensor (kept as a :class:`ClassWeights`). ``return_lse`` /
+    ``return_token_accuracy``: calls that compute a loss also return the per-token log-sum-exp / the token
+    accuracy on their output (``lse``, ``token_accuracy``).
+    """
 
     ignore_index: int = -100
     label_smoothing: float = 0.0
@@ -34,10 +120,13 @@ class LCEOptions:
     # loss only (``loss_only()``, ``skip_logits=True``); False: never; True: always
     return_logits_in_eval: bool | None = None
     allow_unregistered: bool = False
+    class_weights: ClassWeights | None = None
+    return_lse: bool = False
+    return_token_accuracy: bool = False
 
     def __post_init__(self) -> None:
         try:
-            CrossEntropyOptions(
+            options = CrossEntropyOptions(
                 ignore_index=self.ignore_index,
                 label_smoothing=self.label_smoothing,
                 z_loss=self.z_loss,
@@ -46,13 +135,24 @@ class LCEOptions:
                 skip_ignored=self.skip_ignored,
                 fp32_weight_grad=self.fp32_weight_grad,
             )
-        except ValueError as error:  # the op's message, under the name the user called
-            raise ValueError(str(error).replace(f"{OP_NAME}:", "lce_patch:", 1)) from None
+            check_flag("return_lse", self.return_lse)
+            check_flag("return_token_accuracy", self.return_token_accuracy)
+            if self.class_weights is not None and options.label_smoothing:
+                fail("class_weights cannot be combined with label_smoothing yet")
+        except ValueError as error:
+            raise _as_ours(error) from None
+        if self.class_weights is not None and not isinstance(self.class_weights, ClassWeights):
+            object.__setattr__(self, "class_weights", ClassWeights(self.class_weights))
         # not the op's: the patched forward reads it
         if self.return_logits_in_eval not in (None, True, False):
             raise ValueError(
                 f"lce_patch: return_logits_in_eval must be None, True or False, got {self.return_logits_in_eval!r}"
             )
+
+    @property
+    def returns_extras(self) -> bool:
+        """Whether calls that compute a loss attach ``lse`` or ``token_accuracy`` to their output."""
+        return self.return_lse or self.return_token_accuracy
 
     @classmethod
     def from_kwargs(cls, options: dict[str, Any]) -> LCEOptions:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import functools
 import math
@@ -11,6 +12,7 @@ from typing import Any
 
 import torch
 
+from ..ops.core.backend import stats_dtype
 from .adapters import head_leaves, lora_linear_class, peft_classes, resolve_head_module, unwrap_causal_lm
 from .forward import (
     PREVIOUS_FORWARD_ATTR,
@@ -22,6 +24,7 @@ from .forward import (
     unpatched,
 )
 from .head import SLOT_ATTR, remove_interceptor
+from .loss_options import prepare_output_classes
 from .options import OPTIONS_ATTR, LCEOptions
 from .registry import REGISTRY, UNSUPPORTED, ArchSpec, HeadConfig, derived_spec
 
@@ -260,8 +263,11 @@ def apply_fused_lce(model_or_model_type: Any, **options: Any) -> Any:
     models loaded afterwards; the tuple of patched classes is returned). Options: ``ignore_index``, ``label_smoothing``,
     ``z_loss``, ``backend``, ``chunk_size``, ``deterministic``, ``skip_ignored``, ``fp32_weight_grad``, ``return_logits_in_eval``
     (evaluation with labels runs the model's own forward and returns the logits), ``allow_unregistered``
-    (patch a model of an unregistered type after checking its fused loss and gradients against its own).
-    Patching again replaces the options.
+    (patch a model of an unregistered type after checking its fused loss and gradients against its own),
+    ``class_weights`` (a [V] float tensor, finite and >= 0, V the LM head's out_features: each label's loss weight,
+    as ``torch.nn.CrossEntropyLoss(weight=)``), ``return_lse`` and ``return_token_accuracy`` (calls that compute a
+    loss also return ``lse``, per token, and ``token_accuracy``, 0-d, on their output). A call may pass
+    ``token_weights`` (the labels' shape, each label's loss weight). Patching again replaces the options.
     """
     opts = LCEOptions.from_kwargs(options)
     if isinstance(model_or_model_type, str):
@@ -272,6 +278,10 @@ def apply_fused_lce(model_or_model_type: Any, **options: Any) -> Any:
             f"lce_patch: apply_fused_lce expects a Hugging Face model or a model_type string, got "
             f"{type(model_or_model_type).__name__}"
         )
+    if opts.class_weights is not None:
+        _check_class_weights(model, opts)
+    if opts.returns_extras:
+        prepare_output_classes(unpatched(type(model).forward))
     newly_patched = OPTIONS_ATTR not in vars(model)
     if newly_patched:
         head = _output_embeddings(model)
@@ -297,8 +307,12 @@ def apply_fused_lce(model_or_model_type: Any, **options: Any) -> Any:
             setattr(model, PREVIOUS_FORWARD_ATTR, previous)
         setattr(model, SPEC_ATTR, spec)
         ensure_slot(model)
-    setattr(model, OPTIONS_ATTR, opts)
     if newly_patched and not getattr(model, SPEC_ATTR).registered:
+        # The check compares with the model's own loss, which has none of the options that change the loss.
+        neutral = dataclasses.replace(
+            opts, label_smoothing=0.0, z_loss=0.0, class_weights=None, return_lse=False, return_token_accuracy=False
+        )
+        setattr(model, OPTIONS_ATTR, neutral)
         try:
             check_against_own_forward(model)
         except Exception as err:
@@ -308,7 +322,27 @@ def apply_fused_lce(model_or_model_type: Any, **options: Any) -> Any:
             raise _refusal(
                 model, f"the self-check failed on a test batch: {type(err).__name__}: {err}", self_checked=True
             ) from err
+    setattr(model, OPTIONS_ATTR, opts)
     return model_or_model_type
+
+
+def _check_class_weights(model: torch.nn.Module, opts: LCEOptions) -> None:
+    """Class weights must have one entry per row of the LM head's weight; their copy for the head's device and
+    dtype is made now, not in the first step."""
+    head = _output_embeddings(model)
+    if head is None:
+        raise _refusal(model)
+    module = resolve_head_module(head)
+    weight = getattr(module, "weight", None)
+    # out_features (or DeepSpeed's ds_shape) first: a ZeRO-3 partitioned weight's own shape is [0]
+    vocab = getattr(module, "out_features", None) or getattr(weight, "ds_shape", getattr(weight, "shape", (None,)))[0]
+    if vocab is not None and len(opts.class_weights) != vocab:
+        raise ValueError(
+            f"lce_patch: class_weights must have one weight per vocabulary entry of {type(model).__name__}'s LM head "
+            f"(out_features {vocab}), got {len(opts.class_weights)}"
+        )
+    if isinstance(weight, torch.Tensor) and weight.is_floating_point() and weight.device.type != "meta":
+        opts.class_weights.on(weight.device, stats_dtype(weight.dtype))
 
 
 def revert_fused_lce(model_or_model_type: Any) -> Any:
@@ -350,6 +384,8 @@ def _patch_classes(model_type: str, opts: LCEOptions) -> tuple[type, ...]:
     if opts.allow_unregistered:
         raise ValueError("lce_patch: allow_unregistered applies to model instances, not to model_type strings")
     for cls in _mapped_classes(model_type):
+        if opts.returns_extras:
+            prepare_output_classes(unpatched(vars(cls)["forward"]))
         if OPTIONS_ATTR not in vars(cls):
             cls.forward = make_forward(unpatched(vars(cls)["forward"]), _head_config_of)
             # The head's transform fields come from the class's forward; their values from each instance.
