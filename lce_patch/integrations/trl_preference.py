@@ -254,11 +254,13 @@ def preference_forward(
     with_nll: bool,
     with_aux: bool,
     options: dict[str, Any],
+    labels_checked: dict[str, bool],
 ) -> tuple[torch.Tensor, ...]:
     """What ``concatenated_forward`` returns, with the logits replaced by their means (0-d tensors).
 
     ``model``: the unwrapped policy; ``input_ids``, ``attention_mask``, ``labels``: the concatenated batch
-    (``[2B, T]``, chosen rows first)."""
+    (``[2B, T]``, chosen rows first). ``labels_checked``: the trainer's record of whether its collator's labels
+    differ from the input ids on attended tokens (filled on the first batch)."""
     causal_lm = unwrap_causal_lm(model)
     kwargs: dict[str, Any] = {"attention_mask": attention_mask, "use_cache": False}
     if with_aux:
@@ -298,10 +300,14 @@ def preference_forward(
         nll_log_probs = log_probs
         if nll_targets is not None:
             # ORPO reads the same tokens for both terms (its labels are the input ids with the prompt masked); a
-            # collator whose labels differ on an attended token gets a second call for the NLL's tokens
+            # collator whose labels differ on an attended token gets a second call for the NLL's tokens. Checked on
+            # the trainer's first batch only (a host sync; a collator is one function of its rows)
             nll_targets = nll_targets.to(device)
-            both = completion_mask[:len_chosen] & nll_mask[:len_chosen]
-            if bool((completion[:len_chosen].to(device) != nll_targets[:len_chosen])[both].any()):
+            if "labels_differ" not in labels_checked:
+                both = completion_mask[:len_chosen] & nll_mask[:len_chosen]
+                differ = (completion[:len_chosen].to(device) != nll_targets[:len_chosen]) & both
+                labels_checked["labels_differ"] = bool(differ.any())
+            if labels_checked["labels_differ"]:
                 nll_log_probs = head_call(
                     lm_head,
                     functools.partial(score, mean_logits=False),
@@ -346,6 +352,7 @@ def serve_preference_trainer(trainer: Any, options: dict[str, Any]) -> bool:
     op_options = _op_kwargs(options)
     redirect = _forward_redirection()
     method = trainer.concatenated_forward
+    labels_checked: dict[str, bool] = {}
 
     @functools.wraps(method)
     def concatenated_forward(model, batch):
@@ -364,7 +371,12 @@ def serve_preference_trainer(trainer: Any, options: dict[str, Any]) -> bool:
             batch["chosen_labels"].shape[0],
         )
         options = dict(
-            spec=spec, average=average, with_nll=with_nll, with_aux=bool(trainer.aux_loss_enabled), options=op_options
+            spec=spec,
+            average=average,
+            with_nll=with_nll,
+            with_aux=bool(trainer.aux_loss_enabled),
+            options=op_options,
+            labels_checked=labels_checked,
         )
         policy = trainer.accelerator.unwrap_model(model)
         # Under mixed precision accelerate runs the model's forward in autocast; the backbone and the head run

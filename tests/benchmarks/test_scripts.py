@@ -27,6 +27,7 @@ SCRIPTS = [
     "axolotl_bench.py",
     "bench_divergence.py",
     "distill_e2e.py",
+    "preference_e2e.py",
     "chunk_sweep.py",
     "bench_lora_head.py",
     "plot_results.py",
@@ -153,6 +154,29 @@ def test_distill_e2e_tiny_on_cpu(tmp_path):
     runs = json.loads(out.read_text())["results"]
     assert runs["lce_patch"]["losses"] == pytest.approx(runs["trl"]["losses"], rel=1e-4)
     assert runs["lce_patch"]["entropy"] == pytest.approx(runs["trl"]["entropy"], rel=1e-4)
+
+
+@pytest.mark.slow
+def test_preference_e2e_tiny_on_cpu(tmp_path):
+    # TRL's experimental ORPO, SimPO (CPO) and Online DPO trainers with a tiny Llama, alone then served by the
+    # callback: every setup runs, the callback serves its three, and the two setups of each log the same losses and
+    # log-probabilities (float32). One thread: the tiny matmuls run ~50x slower when the two test workers' threads
+    # oversubscribe the cores.
+    pytest.importorskip("trl")
+    out = tmp_path / "preference_e2e.json"
+    result = _run(["preference_e2e.py", "--tiny", "--out", str(out)], tmp_path, env_extra={"OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
+    report = json.loads(out.read_text())
+    runs = {r["setup"]: r for r in report["results"]}
+    assert not [r for r in runs.values() if "error" in r], runs
+    assert set(runs) == {f"{t}{s}" for t in ("orpo", "simpo", "online-dpo") for s in ("", "+lce_patch")}
+    for setup, run in runs.items():
+        assert run["served"] == setup.endswith("+lce_patch"), setup
+        assert run["gradient_checkpointing"] and run["sequence_tokens"] == [128], run
+        assert len(run["losses"]) == 3 and run["peak_gib"] is None  # no CUDA memory calls on the CPU
+    assert set(report["max_rel_diff"]) == {"orpo", "simpo", "online-dpo"}
+    assert all(diff < 1e-5 for diff in report["max_rel_diff"].values()), report["max_rel_diff"]
+    assert "| online-dpo+lce_patch | yes |" in result.stdout
 
 
 def test_bench_lora_head_tiny_on_cpu(tmp_path):
