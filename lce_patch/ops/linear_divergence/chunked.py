@@ -24,10 +24,12 @@ Rows outside ``mask`` are computed and weighted by 0 (no host sync to count them
 (teacher) + 6·N·V·D (student logits, dh, dW).
 
 Two row implementations. The torch one (any device, float64 too) upcasts both ``[chunk_rows, V]`` products to
-at least fp32 and keeps about six such temporaries and an fp32 dW accumulator. The Triton one (``kernels.py``)
-keeps the two GEMM outputs in the compute dtype in two buffers reused by every chunk, turns the student's into
-G in place, and adds each chunk's ``G.T @ hidden_c`` into dW as the cross-entropy op does
-(``GradAccumulator``: bf16/fp32 dW in place, fp16 through fp32, the dW GEMM on a second stream).
+at least fp32 and keeps about six such temporaries (the dW policy is ``GradAccumulator``'s, as below). The
+Triton one (``kernels.py``) keeps the two GEMM outputs in the compute dtype in two buffers reused by every
+chunk, turns the student's into G in place, and adds each chunk's ``G.T @ hidden_c`` into dW as the
+cross-entropy op does (``GradAccumulator``: bf16/fp32 dW in place, fp16 through fp32, the dW GEMM on a second
+stream). ``fp32_logits``: both products are the GEMMs' fp32 accumulators (both implementations), and the
+Triton one writes G to a third buffer in the compute dtype; ``fp32_weight_grad``: a bf16 dW in fp32.
 """
 
 from __future__ import annotations

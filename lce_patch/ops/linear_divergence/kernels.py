@@ -27,7 +27,12 @@ gradient, the gradient, which needs (2)'s row sums. The gradient is written time
 (the upstream gradient of the row's divergence: the reduction's factor, or 0 for an unselected row,
 which writes exact zeros) and ``logit_scale / temperature * (1 - tanh**2)``, in the buffer's dtype.
 
-Memory: the two ``[C, V]`` buffers and two fp32 vectors of C; nothing proportional to N x V. FLOPs:
+With ``fp32_logits`` the two buffers hold the GEMMs' fp32 accumulators (not rounded to the compute dtype) and
+the gradient is written to a third buffer in the compute dtype, the dh and dW GEMMs' operand (``grad_ptr``;
+otherwise it is the student's buffer itself).
+
+Memory: the two ``[C, V]`` buffers (three with ``fp32_logits``) and two fp32 vectors of C; nothing
+proportional to N x V. FLOPs:
 ~15-25 per logit pair per pass (up to three exponentials and a logarithm in ``MODE 2``), negligible next to
 the GEMMs' 2 (D_t + 3 D) per logit; the kernel is bound by memory: per logit pair, two reads of both buffers
 (``MODE 0``, or no gradient) or three (``MODE 1`` and ``MODE 2`` with the gradient), plus one write of the

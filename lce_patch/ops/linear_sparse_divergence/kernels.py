@@ -17,16 +17,18 @@ Per chunk of C tokens:
    (``sparse.py``) gives the per-token divergence and ``g_k = dLoss / ds_k``;
 4. with a gradient, ``_dense_grad_kernel`` overwrites the row (with ``fp32_logits``: writes a second buffer in
    the compute dtype, the GEMMs' operand) with ``-p * S * dz/draw`` (``S = sum_k g_k``,
-   times the row's upstream coefficient), and a ``scatter_add_`` of ``g_k * dz/draw`` at the K ids completes
-   ``G = (scatter(g) - p S) * dz/draw``, the gradient with respect to the raw logits; then ``dh_c = G @ W`` and
+   times the row's upstream coefficient); at the K ids ``G = (g_k - p S) * dz/draw`` (repeated ids' ``g`` summed),
+   computed in fp32 in torch, is written over the kernel's values (a scatter: each entry rounded once, where
+   ``scatter_add_`` into the rounded dense part would round these large, nearly cancelling terms twice);
+   ``G = (scatter(g) - p S) * dz/draw`` is the gradient with respect to the raw logits; then ``dh_c = G @ W`` and
    ``dW += G.T @ hidden_c`` (``core.grads.GradAccumulator``).
 
 Memory: the ``[C, V]`` buffer, fp32 vectors of C and ``[C, K]`` temporaries; nothing proportional to N x V.
 FLOPs: 6·N·V·D for the three GEMMs (logits, dh, dW; 2·N·V·D without a gradient); the kernels do ~10 (statistics)
 and ~8 (gradient) operations per logit with one exponential each (two with a softcap), and are bound by memory:
-one read of the buffer for the statistics, one read and one write for the gradient, in the compute dtype. The
-scatter adds K values per row in the buffer's dtype (a second rounding at those K logits in bf16 / fp16; with
-repeated ids in a row the order of the additions is not fixed on the GPU).
+one read of the buffer for the statistics, one read and one write for the gradient, in the compute dtype (with
+``fp32_logits`` the reads are of fp32 and the write goes to the second buffer). The candidates' ``[C, K, K]``
+id comparison (to sum repeated ids) is small beside the row passes (K <= a few hundred).
 """
 
 from __future__ import annotations
