@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from ..ops import fused_linear_divergence
+from ..ops.core.grads import fp32_output_gemm_available
 
 __all__ = ["serve_distillation_trainer", "unserve_distillation_trainer"]
 
@@ -111,12 +112,24 @@ def _fused_divergence_loss(
     return loss, entropy_sum, valid.sum()
 
 
-def divergence_options(options: dict[str, Any]) -> dict[str, Any]:
-    """The options of :func:`lce_patch.fused_linear_divergence` among a callback's: ``chunk_size``, and
-    ``backend`` when it asks for the PyTorch one (the cross-entropy op's other options do not apply)."""
+def divergence_options(options: dict[str, Any], *, fp32_logits: bool = False) -> dict[str, Any]:
+    """The options of the divergence ops among a callback's: ``chunk_size``, ``backend`` when it asks for the
+    PyTorch one, ``fp32_weight_grad`` (the cross-entropy op's other options do not apply).
+
+    ``fp32_logits``: the TRL code replaced takes the logits in fp32 (its chunked kernels: the GEMMs' fp32 output,
+    dW accumulated in fp32), so the op runs with ``fp32_logits`` and ``fp32_weight_grad`` to keep TRL's gradient
+    precision (docs: the op page, "Precision of the distillation ops at bf16"); without it, TRL's loss reads bf16
+    logits, as the op's default."""
     op_options = {key: options[key] for key in ("chunk_size",) if options.get(key) is not None}
     if options.get("backend") == "torch":
         op_options["backend"] = "torch"
+    if fp32_logits:
+        op_options["fp32_weight_grad"] = True
+        # torch before 2.8 has no fp32-output GEMM on CUDA: bf16 logits there (TRL's kernel upcasts its operands)
+        if fp32_output_gemm_available(torch.device("cuda")):
+            op_options["fp32_logits"] = True
+    elif options.get("fp32_weight_grad"):
+        op_options["fp32_weight_grad"] = True
     return op_options
 
 
@@ -141,7 +154,8 @@ def _module():
 def serve_distillation_trainer(trainer: Any, options: dict[str, Any]) -> bool:
     """Serve ``trainer`` (a TRL ``DistillationTrainer``) with the fused op; returns whether it is served.
 
-    ``options``: ``chunk_size`` and ``backend`` of :func:`lce_patch.fused_linear_divergence` (others ignored).
+    ``options``: ``chunk_size`` and ``backend`` of :func:`lce_patch.fused_linear_divergence` (others ignored); the op
+    runs with fp32 logits and an fp32-accumulated dW, the precision of the TRL kernel it replaces.
     """
     method = getattr(trainer, "_compute_loss", None)
     if method is None or getattr(method, _SERVED_ATTR, False):
@@ -162,7 +176,7 @@ def serve_distillation_trainer(trainer: Any, options: dict[str, Any]) -> bool:
             stacklevel=2,
         )
         return False
-    op_options = divergence_options(options)
+    op_options = divergence_options(options, fp32_logits=True)  # TRL's chunked kernel: fp32 logits and dW
 
     @functools.wraps(method)
     def compute_loss(*args, **kwargs):

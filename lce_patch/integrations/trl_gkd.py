@@ -103,7 +103,8 @@ def gkd_loss(
 def serve_gkd_trainer(trainer: Any, options: dict[str, Any]) -> bool:
     """Serve ``trainer`` (a TRL ``GKDTrainer``) with the fused op; returns whether it is served.
 
-    ``options``: ``chunk_size`` and ``backend`` of :func:`lce_patch.fused_linear_divergence` (others ignored).
+    ``options``: ``chunk_size``, ``backend`` and ``fp32_weight_grad`` of :func:`lce_patch.fused_linear_divergence`
+    (others ignored); the logits stay in the compute dtype, as in TRL's loss on the model's logits.
     """
     gkd = _gkd_class()
     if gkd is None or not isinstance(trainer, gkd):

@@ -199,7 +199,7 @@ def serve_async_distillation_trainer(trainer: Any, options: dict[str, Any]) -> b
             stacklevel=3,
         )
         return False
-    op_options = divergence_options(options)
+    op_options = divergence_options(options, fp32_logits=True)  # TRL's chunked loss: fp32 logits
 
     @functools.wraps(method)
     def _compute_loss(*args, **kwargs):
@@ -375,7 +375,7 @@ def serve_server_distillation_trainer(trainer: Any, options: dict[str, Any]) -> 
             stacklevel=3,
         )
         return False
-    op_options = divergence_options(options)
+    op_options = divergence_options(options)  # TRL's loss reads the model's logits, in the compute dtype
     redirect = _forward_redirection()
 
     @functools.wraps(method)

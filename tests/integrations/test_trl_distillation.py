@@ -91,6 +91,8 @@ def op_calls(monkeypatch):
     original = trl_distillation.fused_linear_divergence
 
     def counting(*args, **kwargs):
+        # TRL's kernel takes fp32 logits and accumulates dW in fp32: the served op is asked for the same precision
+        assert kwargs.get("fp32_logits") and kwargs.get("fp32_weight_grad"), kwargs
         calls.append(kwargs.get("num_items_in_batch"))
         return original(*args, **kwargs)
 

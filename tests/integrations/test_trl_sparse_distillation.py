@@ -156,6 +156,7 @@ def test_server_distillation_logs_equal_trl(tokenizer, monkeypatch, op_calls, tm
     )
     assert getattr(vars(trainer)["compute_loss"], sparse._SERVED_ATTR)
     assert len(op_calls) == 2 and not wide  # one op call per step, no [B, T, V] head output
+    assert not any(call.get("fp32_logits") for call in op_calls)  # TRL's loss reads the model's own logits
     assert len(logs) == len(reference) == 2
     # float32. Step 1 (same weights, same completions): within 1.2e-5 relative seen, the float32 rounding of these small
     # divergences (sums of terms of both signs; the op sums the log-sum-exp over vocabulary chunks, TRL in one pass).
@@ -267,6 +268,8 @@ def test_async_distillation_loss_grads_and_metrics_equal_trl(
     batch = _rollout_batch(trainer, top_k=4)
     loss, grads, metrics = _loss_and_grads(trainer, batch)
     assert len(op_calls) == 1 and op_calls[0]["reduction"] == ("none" if len(teachers) > 1 else "sum")
+    # TRL's chunked loss takes fp32 logits and dW: the served op is asked for the same precision
+    assert op_calls[0]["fp32_logits"] and op_calls[0]["fp32_weight_grad"]
     assert sparse.unserve_sparse_distillation_trainer(trainer)
     assert "_compute_loss" not in vars(trainer)
     reference, reference_grads, reference_metrics = _loss_and_grads(trainer, batch)
