@@ -8,25 +8,24 @@ of the student's per-token entropy and the number of valid tokens. :func:`serve_
 lce_patch's op with the same arguments and results.
 
 The module function is looked up as a global by TRL's method, so it is replaced, once, by a dispatcher that
-calls TRL's own function in every other call (other trainers, other threads): nothing changes for a trainer
-that is not served. :func:`unserve_distillation_trainer` unwraps the instance; the dispatcher is removed with
-the last served trainer. Detection is by feature: the function's parameter names must be the known ones, else
+calls TRL's own function in every other call (other trainers, other threads; :class:`~lce_patch.integrations.
+redirect.FunctionRedirect`): nothing changes for a trainer that is not served.
+:func:`unserve_distillation_trainer` unwraps the instance; the dispatcher is removed with the last served trainer. Detection is by feature: the function's parameter names must be the known ones, else
 the trainer is left to TRL's kernel with a warning.
 """
 
 from __future__ import annotations
 
-import functools
+import importlib
 import inspect
-import threading
 import warnings
-import weakref
 from typing import Any
 
 import torch
 
 from ..ops import fused_linear_divergence
 from ..ops.core.grads import fp32_output_gemm_available
+from .redirect import FunctionRedirect
 
 __all__ = ["serve_distillation_trainer", "unserve_distillation_trainer"]
 
@@ -48,10 +47,6 @@ _KNOWN_PARAMETERS = (
     "teacher_final_logit_softcapping",
     "temperature",
 )
-_SERVED_ATTR = "__lce_patch_distillation__"
-_state = threading.local()  # .options: the op options of the served call running in this thread
-_lock = threading.Lock()
-_served: weakref.WeakSet = weakref.WeakSet()  # the trainers served now
 
 
 def _full(tensor: torch.Tensor | None) -> torch.Tensor | None:
@@ -112,6 +107,9 @@ def _fused_divergence_loss(
     return loss, entropy_sum, valid.sum()
 
 
+_REDIRECT = FunctionRedirect(_MODULE, _FUNCTION, _fused_divergence_loss, "__lce_patch_distillation__")
+
+
 def divergence_options(options: dict[str, Any], *, fp32_logits: bool = False) -> dict[str, Any]:
     """The options of the divergence ops among a callback's: ``chunk_size``, ``backend`` when it asks for the
     PyTorch one, ``fp32_weight_grad`` (the cross-entropy op's other options do not apply).
@@ -133,24 +131,6 @@ def divergence_options(options: dict[str, Any], *, fp32_logits: bool = False) ->
     return op_options
 
 
-def _dispatcher(original):
-    @functools.wraps(original)
-    def chunked_divergence_loss(*args, **kwargs):
-        options = getattr(_state, "options", None)
-        if options is None:
-            return original(*args, **kwargs)
-        return _fused_divergence_loss(*args, **kwargs, options=options)
-
-    chunked_divergence_loss.__lce_patch_original__ = original
-    return chunked_divergence_loss
-
-
-def _module():
-    import importlib
-
-    return importlib.import_module(_MODULE)
-
-
 def serve_distillation_trainer(trainer: Any, options: dict[str, Any]) -> bool:
     """Serve ``trainer`` (a TRL ``DistillationTrainer``) with the fused op; returns whether it is served.
 
@@ -158,16 +138,15 @@ def serve_distillation_trainer(trainer: Any, options: dict[str, Any]) -> bool:
     runs with fp32 logits and an fp32-accumulated dW, the precision of the TRL kernel it replaces.
     """
     method = getattr(trainer, "_compute_loss", None)
-    if method is None or getattr(method, _SERVED_ATTR, False):
-        return getattr(method, _SERVED_ATTR, False)
+    if method is None or _REDIRECT.is_served(method):
+        return _REDIRECT.is_served(method)
     try:
-        module = _module()
+        module = importlib.import_module(_MODULE)
     except ImportError:
         return False
     if not isinstance(trainer, module.DistillationTrainer):
         return False
-    current = getattr(module, _FUNCTION, None)
-    original = getattr(current, "__lce_patch_original__", current)
+    original = _REDIRECT.original()
     names = tuple(inspect.signature(original).parameters) if callable(original) else ()
     if names != _KNOWN_PARAMETERS:
         warnings.warn(
@@ -176,36 +155,11 @@ def serve_distillation_trainer(trainer: Any, options: dict[str, Any]) -> bool:
             stacklevel=2,
         )
         return False
-    op_options = divergence_options(options, fp32_logits=True)  # TRL's chunked kernel: fp32 logits and dW
-
-    @functools.wraps(method)
-    def compute_loss(*args, **kwargs):
-        previous = getattr(_state, "options", None)
-        _state.options = op_options
-        try:
-            return method(*args, **kwargs)
-        finally:
-            _state.options = previous
-
-    setattr(compute_loss, _SERVED_ATTR, True)
-    with _lock:
-        if current is original:
-            setattr(module, _FUNCTION, _dispatcher(original))
-        _served.add(trainer)
-    trainer._compute_loss = compute_loss
+    # TRL's chunked kernel: fp32 logits and dW
+    _REDIRECT.serve(trainer, "_compute_loss", divergence_options(options, fp32_logits=True))
     return True
 
 
 def unserve_distillation_trainer(trainer: Any) -> bool:
     """Undo :func:`serve_distillation_trainer` on ``trainer``; returns whether it was served."""
-    method = vars(trainer).get("_compute_loss")
-    if not getattr(method, _SERVED_ATTR, False):
-        return False
-    del trainer._compute_loss
-    with _lock:
-        _served.discard(trainer)
-        module = _module()
-        current = getattr(module, _FUNCTION)
-        if not _served and hasattr(current, "__lce_patch_original__"):
-            setattr(module, _FUNCTION, current.__lce_patch_original__)
-    return True
+    return _REDIRECT.unserve(trainer, "_compute_loss")

@@ -30,11 +30,8 @@ warning. :func:`unserve_sparse_distillation_trainer` undoes either.
 from __future__ import annotations
 
 import functools
-import importlib
 import inspect
-import threading
 import warnings
-import weakref
 from typing import Any
 
 import torch
@@ -42,6 +39,7 @@ import torch
 from ..models import get_head_config, unwrap_causal_lm
 from ..models.head import head_call
 from ..ops import fused_linear_sparse_divergence
+from .redirect import FunctionRedirect
 from .trl_distillation import divergence_options
 from .trl_preference import _code_names, _fail, _forward_redirection, _function
 
@@ -75,9 +73,6 @@ _ASYNC_PARAMETERS = (
     "num_teachers",
     "chunk_size",
 )
-_state = threading.local()  # .options: the op options of the served call running in this thread
-_lock = threading.Lock()
-_served: weakref.WeakSet = weakref.WeakSet()  # the async trainers served now
 
 
 def _teacher_entropy(teacher_logps, mask, add_tail_bucket):
@@ -151,16 +146,7 @@ def _fused_chunked_jsd_loss(
     return (total, *return_sums)
 
 
-def _async_dispatcher(original):
-    @functools.wraps(original)
-    def chunked_jsd_loss(*args, **kwargs):
-        options = getattr(_state, "options", None)
-        if options is None:
-            return original(*args, **kwargs)
-        return _fused_chunked_jsd_loss(*args, **kwargs, options=options)
-
-    chunked_jsd_loss.__lce_patch_original__ = original
-    return chunked_jsd_loss
+_ASYNC_REDIRECT = FunctionRedirect(_ASYNC[0], _ASYNC_FUNCTION, _fused_chunked_jsd_loss, _SERVED_ATTR)
 
 
 def _base(trainer: Any, module: str, name: str) -> type | None:
@@ -182,12 +168,9 @@ def serve_async_distillation_trainer(trainer: Any, options: dict[str, Any]) -> b
     base = _base(trainer, module_name, name)
     if base is None:
         return False
-    method = trainer._compute_loss
-    if getattr(method, _SERVED_ATTR, False):
+    if _ASYNC_REDIRECT.is_served(trainer._compute_loss):
         return True
-    module = importlib.import_module(module_name)
-    current = getattr(module, _ASYNC_FUNCTION, None)
-    original = getattr(current, "__lce_patch_original__", current)
+    original = _ASYNC_REDIRECT.original()
     parameters = tuple(inspect.signature(original).parameters) if callable(original) else ()
     if parameters != _ASYNC_PARAMETERS:
         _fail(name, f"its module's {_ASYNC_FUNCTION} has the parameters {parameters}")
@@ -199,23 +182,8 @@ def serve_async_distillation_trainer(trainer: Any, options: dict[str, Any]) -> b
             stacklevel=3,
         )
         return False
-    op_options = divergence_options(options, fp32_logits=True)  # TRL's chunked loss: fp32 logits
-
-    @functools.wraps(method)
-    def _compute_loss(*args, **kwargs):
-        previous = getattr(_state, "options", None)
-        _state.options = op_options
-        try:
-            return method(*args, **kwargs)
-        finally:
-            _state.options = previous
-
-    setattr(_compute_loss, _SERVED_ATTR, True)
-    with _lock:
-        if current is original:
-            setattr(module, _ASYNC_FUNCTION, _async_dispatcher(original))
-        _served.add(trainer)
-    trainer._compute_loss = _compute_loss
+    # TRL's chunked loss: fp32 logits
+    _ASYNC_REDIRECT.serve(trainer, "_compute_loss", divergence_options(options, fp32_logits=True))
     return True
 
 
@@ -417,13 +385,4 @@ def unserve_sparse_distillation_trainer(trainer: Any) -> bool:
     if getattr(vars(trainer).get("compute_loss"), _SERVED_ATTR, False):
         del trainer.compute_loss
         removed = True
-    if getattr(vars(trainer).get("_compute_loss"), _SERVED_ATTR, False):
-        del trainer._compute_loss
-        removed = True
-        with _lock:
-            _served.discard(trainer)
-            module = importlib.import_module(_ASYNC[0])
-            current = getattr(module, _ASYNC_FUNCTION)
-            if not _served and hasattr(current, "__lce_patch_original__"):
-                setattr(module, _ASYNC_FUNCTION, current.__lce_patch_original__)
-    return removed
+    return _ASYNC_REDIRECT.unserve(trainer, "_compute_loss") or removed
