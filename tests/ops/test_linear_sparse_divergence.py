@@ -198,15 +198,14 @@ def relative_error(value: torch.Tensor, reference: torch.Tensor) -> float:
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("beta", BETAS)
-@pytest.mark.parametrize("reduction", ["mean", "none"])
+@pytest.mark.parametrize(("beta", "reduction"), [(0.0, "mean"), (0.5, "none"), (1.0, "mean")])
 def test_fp32_logits_cut_the_bf16_gradient_error(beta, reduction, backend):
     # bf16 inputs; the reference is float64 on the same rounded inputs, so what is left is the op's own rounding.
     # Rounding the logits to bf16 moves each probability by ~2^-9 |z| relative, and the gradient is a small
     # difference of probabilities: that rounding sets most of the default's error. fp32 logits leave the
     # bf16 rounding of G and of the GEMMs' outputs.
     gen = torch.Generator().manual_seed(int(beta * 10) + 7 * (reduction == "none"))
-    rows, vocab, width, candidates = 48, 300, 32, 8
+    rows, vocab, width, candidates = 32, 300, 32, 8
     weight = torch.randn(vocab, width, generator=gen)  # logits of a few units to ~20, as real heads give
     hidden = torch.randn(rows, width, generator=gen)
     # the teacher's top-K: the student's own likeliest tokens, with log-probabilities of a sharper softmax
