@@ -164,7 +164,7 @@ class LossJob:
             return_token_accuracy=options.return_token_accuracy,
         )
         if options.returns_extras:
-            loss, self.lse, self.token_accuracy = loss
+            loss, self.lse, self.token_accuracy = loss.loss, loss.lse, loss.token_accuracy
         self.loss = self._as_hugging_face(loss, targets, shift, num_valid_tokens)
         if self.want_logits:  # evaluation that keeps the logits: the head's real output, the loss still fused
             logits = _head_logits(hidden, weight, bias)

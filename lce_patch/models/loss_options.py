@@ -136,20 +136,24 @@ def loss_from_logits(
     result: list[torch.Tensor | None] = [None, None, None]
     if loss:
         log_probs = flat - lse.unsqueeze(-1)
-        per_token = -log_probs.gather(-1, safe.unsqueeze(-1)).squeeze(-1)
+        nll = -log_probs.gather(-1, safe.unsqueeze(-1)).squeeze(-1)
+        class_weights = label_weight = None
+        if options.class_weights is not None:
+            class_weights = options.class_weights.on(flat.device, flat.dtype)
+            label_weight = class_weights[safe]
+        # as F.cross_entropy(weight=, label_smoothing=): the target's term weighted by its class, the smoothing
+        # term by each class's weight; the z-loss term by the target's class
+        per_token = nll if label_weight is None else nll * label_weight
         if options.label_smoothing:
             smoothing = options.label_smoothing
-            per_token = (1 - smoothing) * per_token - smoothing * log_probs.mean(-1)
+            spread = log_probs.mean(-1) if class_weights is None else (log_probs * class_weights).mean(-1)
+            per_token = (1 - smoothing) * per_token - smoothing * spread
         if options.z_loss:
-            per_token = per_token + options.z_loss * lse * lse
-        weight = torch.ones_like(per_token)
-        label_weight = None
-        if options.class_weights is not None:
-            label_weight = options.class_weights.on(flat.device, flat.dtype)[safe]
-            weight = weight * label_weight
+            z_term = options.z_loss * lse * lse
+            per_token = per_token + (z_term if label_weight is None else z_term * label_weight)
         if token_weights is not None:
-            weight = weight * token_weights.detach().reshape(-1).to(flat)
-        total = torch.where(valid, per_token * weight, 0.0).sum()
+            per_token = per_token * token_weights.detach().reshape(-1).to(flat)
+        total = torch.where(valid, per_token, 0.0).sum()
         count = valid.sum()
         if num_items_in_batch is not None:
             denominator = torch.as_tensor(num_items_in_batch, device=flat.device).reshape(()).to(flat.dtype)

@@ -21,7 +21,7 @@ import torch
 
 from ..ops.core.checks import check_weights
 from ..ops.linear_cross_entropy.inputs import loss_weights
-from ..ops.linear_cross_entropy.options import OP_NAME, CrossEntropyOptions, check_flag, fail
+from ..ops.linear_cross_entropy.options import OP_NAME, CrossEntropyOptions, check_flag
 
 # Where apply_fused_lce stores the LCEOptions: on the instance, or on the class for a class patch.
 OPTIONS_ATTR = "_lce_patch_options"
@@ -126,7 +126,7 @@ class LCEOptions:
 
     def __post_init__(self) -> None:
         try:
-            options = CrossEntropyOptions(
+            CrossEntropyOptions(
                 ignore_index=self.ignore_index,
                 label_smoothing=self.label_smoothing,
                 z_loss=self.z_loss,
@@ -137,8 +137,6 @@ class LCEOptions:
             )
             check_flag("return_lse", self.return_lse)
             check_flag("return_token_accuracy", self.return_token_accuracy)
-            if self.class_weights is not None and options.label_smoothing:
-                fail("class_weights cannot be combined with label_smoothing yet")
         except ValueError as error:
             raise _as_ours(error) from None
         if self.class_weights is not None and not isinstance(self.class_weights, ClassWeights):

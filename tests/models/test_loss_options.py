@@ -56,9 +56,11 @@ def _shifted(labels: torch.Tensor, fill) -> torch.Tensor:
     return torch.cat([labels[:, 1:], torch.full_like(labels[:, :1], fill)], 1)
 
 
-def reference_loss(logits, labels, *, class_weights=None, token_weights=None, num_items=None, shift_labels=None):
-    """The loss in float64 from the full logits and torch's cross-entropy: label t (and its weight) scored at
-    position t - 1, or ``shift_labels`` (and the weights) as given."""
+def reference_loss(
+    logits, labels, *, class_weights=None, token_weights=None, num_items=None, shift_labels=None, label_smoothing=0.0
+):
+    """The loss in float64 from the full logits and torch's cross-entropy (``weight=``, ``label_smoothing=``):
+    label t (and its weight) scored at position t - 1, or ``shift_labels`` (and the weights) as given."""
     if shift_labels is None:
         targets = _shifted(labels, -100)
         weights = None if token_weights is None else _shifted(token_weights, 0.0)
@@ -66,7 +68,13 @@ def reference_loss(logits, labels, *, class_weights=None, token_weights=None, nu
         targets, weights = shift_labels, token_weights
     flat = targets.reshape(-1)
     class_weights = None if class_weights is None else class_weights.double()
-    per_token = F.cross_entropy(logits.double().reshape(-1, VOCAB), flat, weight=class_weights, reduction="none")
+    per_token = F.cross_entropy(
+        logits.double().reshape(-1, VOCAB),
+        flat,
+        weight=class_weights,
+        reduction="none",
+        label_smoothing=label_smoothing,
+    )
     if weights is not None:
         per_token = per_token * weights.double().reshape(-1)
     if num_items is not None:
@@ -96,6 +104,8 @@ CASES = {
     "token_weights-num_items": dict(token_weights=True, num_items=17),
     "both": dict(class_weights=True, token_weights=True),
     "both-shift_labels": dict(class_weights=True, token_weights=True, shift_labels=True),
+    "class_weights-smoothing": dict(class_weights=True, label_smoothing=0.1),
+    "both-smoothing-num_items": dict(class_weights=True, token_weights=True, label_smoothing=0.2, num_items=31),
 }
 
 
@@ -111,7 +121,8 @@ def test_training_loss_and_gradients_match_torch(backend, case):
         batch["shift_labels"] = _shifted(batch["labels"], -100)
         batch["shift_labels"][0, 6] = -100
     num_items = case.get("num_items")
-    model, reference = _models(backend, class_weights=class_weights)
+    label_smoothing = case.get("label_smoothing", 0.0)
+    model, reference = _models(backend, class_weights=class_weights, label_smoothing=label_smoothing)
     model.train()
     reference.train()
     call = dict(batch, num_items_in_batch=num_items) if num_items is not None else batch
@@ -120,7 +131,7 @@ def test_training_loss_and_gradients_match_torch(backend, case):
     logits = reference(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
     expected = reference_loss(
         logits, batch["labels"], class_weights=class_weights, token_weights=token_weights, num_items=num_items,
-        shift_labels=batch.get("shift_labels"),
+        shift_labels=batch.get("shift_labels"), label_smoothing=label_smoothing,
     )  # fmt: skip
     assert out.loss.dtype == torch.float32
     assert_close(out.loss, expected, rel=max(_tolerance(backend), 1e-6), what="loss")
@@ -130,12 +141,19 @@ def test_training_loss_and_gradients_match_torch(backend, case):
 
 
 def test_reference_is_torch_cross_entropy_with_weight():
-    """The reference's class-weighted mean is F.cross_entropy(weight=...)'s own "mean"."""
+    """The reference's class-weighted mean is F.cross_entropy(weight=...)'s own "mean", with label smoothing too."""
     logits = torch.randn(2, 12, VOCAB, dtype=torch.float64)
     labels = _batch()["labels"]
     class_weights, _ = _weights()
-    expected = F.cross_entropy(logits.reshape(-1, VOCAB), _shifted(labels, -100).reshape(-1), weight=class_weights)
-    torch.testing.assert_close(reference_loss(logits, labels, class_weights=class_weights), expected)
+    for smoothing in (0.0, 0.1):
+        expected = F.cross_entropy(
+            logits.reshape(-1, VOCAB),
+            _shifted(labels, -100).reshape(-1),
+            weight=class_weights,
+            label_smoothing=smoothing,
+        )
+        actual = reference_loss(logits, labels, class_weights=class_weights, label_smoothing=smoothing)
+        torch.testing.assert_close(actual, expected)
 
 
 def test_token_weight_goes_with_its_label():
@@ -200,9 +218,9 @@ def test_unfused_call_computes_the_same_loss_from_the_logits():
     assert kept.logits is not None
     assert_close(kept.loss, fused.loss, rel=1e-6, what="logits_to_keep loss")
 
-    # label smoothing (no class weights with it): as the op defines it
+    # label smoothing with the class weights: as the op defines it
     for m in (model, fused_model):
-        lce_patch.apply_fused_lce(m, backend="torch", label_smoothing=0.1, z_loss=1e-3)
+        lce_patch.apply_fused_lce(m, backend="torch", class_weights=class_weights, label_smoothing=0.1, z_loss=1e-3)
     handle = model.lm_head.register_forward_hook(lambda module, args, output: None)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -283,7 +301,6 @@ def test_bad_options_and_inputs_are_refused():
         (dict(class_weights=torch.ones(VOCAB).index_fill(0, torch.tensor([3]), float("nan"))), "class_weights must be finite and >= 0, got nan"),
         (dict(class_weights=torch.ones(VOCAB, dtype=torch.long)), "class_weights must be a floating-point tensor"),
         (dict(class_weights=[1.0] * VOCAB), "class_weights must be a torch.Tensor"),
-        (dict(class_weights=torch.ones(VOCAB), label_smoothing=0.1), "class_weights cannot be combined with label_smoothing"),
         (dict(return_lse="yes"), "return_lse must be a bool"),
     ]  # fmt: skip
     for options, message in cases:

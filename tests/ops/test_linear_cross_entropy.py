@@ -201,9 +201,9 @@ def _record_row_factors(monkeypatch) -> list:
     seen = []
     original = chunked.chunk_stats
 
-    def spy(raw, labels, transform, out, grad_scale, use_triton, target_raw=None, row_factor=None):
+    def spy(raw, labels, transform, out, grad_scale, use_triton, target_raw=None, row_factor=None, **rest):
         seen.append(row_factor is not None)
-        return original(raw, labels, transform, out, grad_scale, use_triton, target_raw, row_factor)
+        return original(raw, labels, transform, out, grad_scale, use_triton, target_raw, row_factor, **rest)
 
     monkeypatch.setattr(chunked, "chunk_stats", spy)
     return seen

@@ -126,8 +126,8 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
     weight [V, r] or None (:class:`LowRank`, same dtype), token_weights [N] and class_weights [V] or None (a
     scalar loss's; no gradient), then the :class:`CrossEntropyOptions`.
     Outputs: loss (0-d, or [N]), entropy [N] (or empty), is_top1 [N] bool (or empty), mean_logit [N]
-    (or empty), log_sum_sq [N] (or empty), lse [N] (or empty); fp32, or fp64 for fp64 inputs. Only the loss
-    and the entropy carry a gradient.
+    (or empty), log_sum_sq [N] (or empty), lse [N] (or empty), fp32, or fp64 for fp64 inputs; predicted [N] int64
+    (or empty). Only the loss and the entropy carry a gradient.
     """
 
     @staticmethod
@@ -158,10 +158,12 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
 
         entropy, is_top1 = given(result.entropy), given(result.is_top1, torch.bool)
         mean_logit, log_sum_sq = given(result.mean_logit), given(result.log_sum_sq)
-        lse = given(result.lse_out)
+        lse, predicted = given(result.lse_out), given(result.predicted, torch.int64)
         # one call: each call of mark_non_differentiable replaces the set the last one made
-        ctx.mark_non_differentiable(is_top1, mean_logit, log_sum_sq, lse, *((entropy,) if options.scalar else ()))
-        outputs = (result.loss, entropy, is_top1, mean_logit, log_sum_sq, lse)
+        ctx.mark_non_differentiable(
+            is_top1, mean_logit, log_sum_sq, lse, predicted, *((entropy,) if options.scalar else ())
+        )
+        outputs = (result.loss, entropy, is_top1, mean_logit, log_sum_sq, lse, predicted)
         if options.scalar:
             ctx.save_for_backward(*(result.grads or (None,) * 5))
             return outputs
@@ -183,7 +185,9 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         return outputs
 
     @staticmethod
-    def backward(ctx, grad_loss, grad_entropy, _grad_top1, _grad_mean_logit, _grad_log_sum_sq, _grad_lse):
+    def backward(
+        ctx, grad_loss, grad_entropy, _grad_top1, _grad_mean_logit, _grad_log_sum_sq, _grad_lse, _grad_predicted
+    ):
         _refuse_double_backward()
         if ctx.options.scalar:
             claim_scalar_backward(ctx, OP_NAME)

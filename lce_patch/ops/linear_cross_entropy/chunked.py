@@ -49,7 +49,7 @@ from ..core.checks import check_labels, check_num_items, check_weights, selected
 from ..core.chunking import buffer_rows, resolve_chunks
 from ..core.grads import GradAccumulator, LowRank, fp32_output_gemm_available, logits_into
 from .options import OP_NAME, CrossEntropyOptions
-from .rows import RowOutputs, chunk_grad, chunk_stats, target_logits, unnormalized_grad_applies
+from .rows import ClassSmoothing, RowOutputs, chunk_grad, chunk_stats, target_logits, unnormalized_grad_applies
 from .vocab_parallel import ShardRowPass, all_reduce_sum, shard_labels
 
 
@@ -78,16 +78,18 @@ def _chunk_rows_of(
     return torch.index_select(hidden, 0, rows, out=gathered[: rows.shape[0]])
 
 
-def _scatter_rows(out: RowOutputs, row_index: torch.Tensor, total_rows: int) -> RowOutputs:
-    """Per-row outputs of the selected rows placed among ``total_rows`` zeros (the ignored rows' values)."""
+def _scatter_rows(out: RowOutputs, row_index: torch.Tensor, total_rows: int, ignore_index: int) -> RowOutputs:
+    """Per-row outputs of the selected rows placed among ``total_rows`` zeros (the ignored rows' values), the
+    predicted ids among ``ignore_index`` (an ignored row's argmax is not computed)."""
 
-    def place(values):
+    def place(name, values):
         if values is None:
             return None
-        full = torch.zeros(total_rows, dtype=values.dtype, device=values.device)
+        fill = ignore_index if name == "predicted" else 0
+        full = torch.full((total_rows,), fill, dtype=values.dtype, device=values.device)
         return full.index_copy_(0, row_index, values)
 
-    return RowOutputs(*(place(t) for t in vars(out).values()))
+    return RowOutputs(*(place(name, t) for name, t in vars(out).items()))
 
 
 def _accumulator(hidden, weight, bias, row_index, low_rank, options: CrossEntropyOptions) -> GradAccumulator:
@@ -108,10 +110,11 @@ class ForwardOutputs(NamedTuple):
 
     loss: 0-d for a scalar loss, else [N] (0 where ignored); entropy, is_top1 (bool), mean_logit,
     log_sum_sq, lse_out (the log-sum-exp of the final logits): [N] (0 / False where ignored) or None when not
-    wanted. For the backward: ``row_index`` (the processed rows, None for all), their
-    ``row_labels`` [M], ``lse`` [M] and ``processed_entropy`` [M] (None without entropy); ``grads``
-    (dh, dw, db, d_low_rank_hidden, d_low_rank_weight, each None when not needed) when the gradient
-    was computed in the forward, and
+    wanted; predicted: [N] int64, the argmax of each processed row's final logits (ignored rows' too when every
+    row is processed; ``ignore_index`` where a row was not), or None. For the backward: ``row_index`` (the
+    processed rows, None for all), their ``row_labels`` [M], ``lse`` [M] and ``processed_entropy`` [M] (None
+    without entropy); ``grads`` (dh, dw, db, d_low_rank_hidden, d_low_rank_weight, each None when not needed)
+    when the gradient was computed in the forward, and
     ``grad_scale`` (the factor precomputed gradients carry, per-token outputs only); ``chunks``, the (start, stop) row spans used.
     """
 
@@ -121,6 +124,7 @@ class ForwardOutputs(NamedTuple):
     mean_logit: torch.Tensor | None
     log_sum_sq: torch.Tensor | None
     lse_out: torch.Tensor | None
+    predicted: torch.Tensor | None
     lse: torch.Tensor
     processed_entropy: torch.Tensor | None
     row_index: torch.Tensor | None
@@ -159,22 +163,54 @@ def _row_weights(
     token_weights: torch.Tensor | None,
     class_weights: torch.Tensor | None,
     dtype: torch.dtype,
-) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """(each row's weight in a scalar loss, 0 where ignored: its token weight times its label's class weight;
-    the sum of the valid labels' class weights, or None without class weights). (None, None) without weights."""
+    options: CrossEntropyOptions,
+) -> tuple[torch.Tensor | None, torch.Tensor | None, ClassSmoothing | None]:
+    """(each row's weight in a scalar loss, 0 where ignored: its token weight times its label's class weight, or
+    with label smoothing times its class factor, see :func:`_class_smoothing`; the sum of the valid labels' class
+    weights, or None without class weights; the rows' :class:`ClassSmoothing` with class weights and label
+    smoothing, else None). (None, None, None) without weights."""
     if token_weights is None and class_weights is None:
-        return None, None
+        return None, None, None
     for name, weights in (("token_weights", token_weights), ("class_weights", class_weights)):
         if weights is not None:
             check_weights(weights, name, OP_NAME)
     row_weight = None if token_weights is None else token_weights.to(dtype)
-    weight_sum = None
+    weight_sum = smoothing = None
     if class_weights is not None:  # labels are checked in range: the ignored rows' gather from 0
-        label_weight = class_weights.to(dtype).index_select(0, torch.where(valid, labels, 0))
+        class_weights = class_weights.to(dtype)
+        label_weight = class_weights.index_select(0, torch.where(valid, labels, 0))
         label_weight = torch.where(valid, label_weight, 0.0)
         weight_sum = label_weight.sum()
-        row_weight = label_weight if row_weight is None else row_weight * label_weight
-    return torch.where(valid, row_weight, 0.0), weight_sum
+        row_class = label_weight
+        if options.label_smoothing:
+            row_class, smoothing = _class_smoothing(class_weights, label_weight, valid, options)
+        row_weight = row_class if row_weight is None else row_weight * row_class
+    return torch.where(valid, row_weight, 0.0), weight_sum, smoothing
+
+
+def _class_smoothing(
+    class_weights: torch.Tensor, label_weight: torch.Tensor, valid: torch.Tensor, options: CrossEntropyOptions
+) -> tuple[torch.Tensor, ClassSmoothing]:
+    """Class weights w with label smoothing eps, as ``F.cross_entropy(weight=w, label_smoothing=eps)``: a valid
+    row with target y has the loss (before its token weight and the reduction)
+
+        (1 - eps) w_y (lse - z_y) + (eps / V) sum_v w_v (lse - z_v) + w_y z_loss lse**2
+          = f (lse - (1 - eps_y) z_y - eps_y sum_v q_v z_v + zl_y lse**2),
+
+    with W = sum_v w_v, q = w / W, f = (1 - eps) w_y + eps W / V, eps_y = (eps W / V) / f and zl_y = w_y z_loss / f:
+    the unweighted row's loss with the row's own smoothing eps_y, spread as q instead of 1 / V, and z-loss factor
+    zl_y, times f. Returns (f [N], 0 where ignored; the rows' :class:`ClassSmoothing`, whose eps_y and zl_y are 0
+    where f is 0). All weights 0 (W = 0): q = 0 and f = 0, a 0 loss with zero gradients."""
+    eps = options.label_smoothing
+    total = class_weights.sum()
+    q = torch.where(total > 0, class_weights / total, 0.0).contiguous()
+    spread = eps * total / class_weights.shape[0]  # eps W / V
+    row_class = torch.where(valid, (1.0 - eps) * label_weight + spread, 0.0)
+    positive = row_class > 0
+    denominator = torch.where(positive, row_class, 1.0)
+    smoothing = torch.where(positive, spread / denominator, 0.0)
+    z_loss = torch.where(positive, options.z_loss * label_weight / denominator, 0.0)
+    return row_class, ClassSmoothing(q, smoothing, z_loss)
 
 
 def chunked_forward(
@@ -193,7 +229,8 @@ def chunked_forward(
     hidden [N, D], weight [V, D], bias [V] or None, ``low_rank``'s tensors: one float dtype, any strides.
     labels [N] integer. num_items: 0-d tensor for ``reduction="items"``. token_weights [N] and class_weights
     [V] (any float dtype, a scalar loss only): each valid token's loss times its weight and its label's class
-    weight; the class weights also make "mean" the weighted mean. Runs with autocast off (the caller casts).
+    weight; the class weights also make "mean" the weighted mean, and with label smoothing weigh its term as
+    torch does (:func:`_class_smoothing`). Runs with autocast off (the caller casts).
     """
     with torch.autocast(hidden.device.type, enabled=False):
         return _chunked_forward(
@@ -213,7 +250,9 @@ def _chunked_forward(
     if options.selects_rows:
         row_index = selected_rows(valid, options.num_valid_tokens, OP_NAME)
     acc_dtype = stats_dtype(hidden.dtype)
-    row_weight, weight_sum = _row_weights(labels, valid, token_weights, class_weights, acc_dtype)
+    row_weight, weight_sum, class_smoothing = _row_weights(
+        labels, valid, token_weights, class_weights, acc_dtype, options
+    )
     reduce_scale = _reduce_scale(options.reduction, valid.sum(), num_items, acc_dtype, weight_sum)
     if shard is not None:  # from here on, labels are ids of the local shard (vocab_parallel.py)
         labels = shard_labels(labels, shard, vocab_size, options.ignore_index)
@@ -222,7 +261,7 @@ def _chunked_forward(
     num_rows = total_rows if row_index is None else row_index.shape[0]
     row_labels = labels if row_index is None else labels.index_select(0, row_index)
     device = hidden.device
-    want_entropy, want_top1, want_mean_logit, want_log_sum_sq, want_lse = options.want
+    want_entropy, want_top1, want_mean_logit, want_log_sum_sq, want_lse, want_predicted = options.want
     any_grad = options.any_grad
     chunks = resolve_chunks(options.chunk_size, num_rows, hidden, weight, use_triton, any_grad)
     scalar_loss = reduce_scale is not None
@@ -235,6 +274,8 @@ def _chunked_forward(
     grad_in_forward = (scalar_loss and any_grad) or precompute
     if row_weight is not None and row_index is not None:
         row_weight = row_weight.index_select(0, row_index)  # the processed rows'
+        if class_smoothing is not None:
+            class_smoothing = class_smoothing.select(row_index)
     row_scale = row_weight * grad_scale if row_weight is not None and grad_in_forward else None
 
     def stat_rows():
@@ -247,6 +288,7 @@ def _chunked_forward(
         is_top1=torch.empty(num_rows, dtype=torch.int8, device=device) if want_top1 else None,
         mean_logit=stat_rows() if want_mean_logit else None,
         log_sum_sq=stat_rows() if want_log_sum_sq else None,
+        predicted=torch.empty(num_rows, dtype=torch.int64, device=device) if want_predicted else None,
     )
     grads = _accumulator(hidden, weight, bias, row_index, low_rank, options) if grad_in_forward else None
     # The buffer holds logits rounded to the compute dtype; the loss reads the target logit once
@@ -282,6 +324,7 @@ def _chunked_forward(
         chunk_out = RowOutputs(*(None if t is None else t[start:stop] for t in vars(out).values()))
         chunk_target = target_raw[start:stop] if target_raw is not None else None
         chunk_factor = row_factor[: stop - start] if row_factor is not None else None
+        chunk_smoothing = class_smoothing.rows(start, stop) if class_smoothing is not None else None
         chunk_scale = None
         if grad_in_forward:
             chunk_scale = row_scale[start:stop] if row_scale is not None else grad_scale
@@ -289,8 +332,9 @@ def _chunked_forward(
             shard_pass.run(raw, row_labels[start:stop], chunk_out, chunk_target, chunk_scale)
         else:
             chunk_stats(
-                raw, row_labels[start:stop], options, chunk_out, chunk_scale, use_triton, chunk_target, chunk_factor
-            )
+                raw, row_labels[start:stop], options, chunk_out, chunk_scale, use_triton, chunk_target, chunk_factor,
+                class_smoothing=chunk_smoothing,
+            )  # fmt: skip
         if grads is not None:
             grads.add(raw, hidden_chunk, rows, chunk_factor)
     del buffer, gathered, row_factor
@@ -299,7 +343,7 @@ def _chunked_forward(
     if scalar_loss:
         loss_sum = (out.loss * row_weight).sum() if row_weight is not None else out.loss.sum()
     if row_index is not None and (not scalar_loss or any(options.want)):
-        out = _scatter_rows(out, row_index, total_rows)
+        out = _scatter_rows(out, row_index, total_rows, options.ignore_index)
     computed = None
     if grads is not None:
         computed = (
@@ -315,6 +359,7 @@ def _chunked_forward(
         mean_logit=out.mean_logit,
         log_sum_sq=out.log_sum_sq,
         lse_out=torch.where(valid, out.lse, 0.0) if want_lse else None,
+        predicted=out.predicted,
         lse=processed.lse,
         processed_entropy=processed.entropy,
         row_index=row_index,

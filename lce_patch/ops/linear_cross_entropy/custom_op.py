@@ -77,9 +77,9 @@ def _fake_grads(options, hidden, weight, bias, low_rank_hidden, low_rank_weight,
 def _forward(
     hidden, weight, bias, labels, num_items, low_rank_hidden, low_rank_weight, token_weights, class_weights, *values
 ):
-    """(loss, entropy, is_top1, mean_logit, log_sum_sq, lse, the five gradients, grad_scale); empty tensors for
-    what is not computed. lse is [N] when asked for (0 where ignored) or for per-token outputs with gradients (0
-    where not processed), else empty."""
+    """(loss, entropy, is_top1, mean_logit, log_sum_sq, lse, predicted, the five gradients, grad_scale); empty
+    tensors for what is not computed. lse is [N] when asked for (0 where ignored) or for per-token outputs with
+    gradients (0 where not processed), else empty."""
     options = SCHEMA.build(values)
     low_rank = None if low_rank_hidden is None else LowRank(low_rank_hidden, low_rank_weight)
     result = chunked_forward(hidden, weight, bias, labels, num_items, options, low_rank, token_weights, class_weights)
@@ -98,6 +98,7 @@ def _forward(
         result.mean_logit if result.mean_logit is not None else _empty(hidden, stats),
         result.log_sum_sq if result.log_sum_sq is not None else _empty(hidden, stats),
         lse,
+        result.predicted if result.predicted is not None else _empty(hidden, torch.int64),
         *_grads_or_empty(result.grads, hidden, weight, low_rank_hidden, low_rank_weight),
         result.grad_scale if result.grad_scale is not None else _empty(hidden, stats),
     )
@@ -109,7 +110,8 @@ _forward_op = torch.library.custom_op(
     mutates_args=(),
     schema=(
         f"({_INPUTS}, Tensor? num_items, {_LOW_RANK}, {_WEIGHTS}, {SCHEMA.text}) -> (Tensor loss, Tensor entropy, "
-        f"Tensor is_top1, Tensor mean_logit, Tensor log_sum_sq, Tensor lse, {_GRADS}, Tensor grad_scale)"
+        f"Tensor is_top1, Tensor mean_logit, Tensor log_sum_sq, Tensor lse, Tensor predicted, {_GRADS}, "
+        "Tensor grad_scale)"
     ),
 )
 
@@ -131,6 +133,7 @@ def _(hidden, weight, bias, labels, num_items, low_rank_hidden, low_rank_weight,
         stats(rows if want[2] else 0),
         stats(rows if want[3] else 0),
         stats(rows if want[4] or (not options.scalar and options.any_grad) else 0),
+        stats(rows if want[5] else 0, torch.int64),
         *_fake_grads(options, hidden, weight, bias, low_rank_hidden, low_rank_weight, grads_in_forward),
         stats(() if grads_in_forward and not options.scalar else 0),
     )
@@ -139,10 +142,10 @@ def _(hidden, weight, bias, labels, num_items, low_rank_hidden, low_rank_weight,
 def _setup_context(ctx, inputs, output) -> None:
     hidden, weight, bias, labels, _num_items, low_rank_hidden, low_rank_weight, _token, _class, *values = inputs
     ctx.options = options = SCHEMA.build(values)
-    _loss, entropy, is_top1, mean_logit, log_sum_sq, lse, *grads, grad_scale = output
+    _loss, entropy, is_top1, mean_logit, log_sum_sq, lse, predicted, *grads, grad_scale = output
     ctx.set_materialize_grads(False)
     # one call: each call of mark_non_differentiable replaces the set the last one made
-    non_differentiable = (is_top1, mean_logit, log_sum_sq, lse, *grads, grad_scale)
+    non_differentiable = (is_top1, mean_logit, log_sum_sq, lse, predicted, *grads, grad_scale)
     ctx.mark_non_differentiable(*non_differentiable, *((entropy,) if options.scalar else ()))
     if options.scalar:
         ctx.save_for_backward(*grads)
@@ -251,10 +254,10 @@ def compiled_linear_cross_entropy(
     class_weights: torch.Tensor | None,
     options: CrossEntropyOptions,
 ) -> tuple[torch.Tensor, ...]:
-    """(loss, entropy, is_top1, mean_logit, log_sum_sq, lse), each None when not wanted, through the custom
-    operator; the arguments are those of :class:`autograd.LinearCrossEntropyFunction`."""
+    """(loss, entropy, is_top1, mean_logit, log_sum_sq, lse, predicted), each None when not wanted, through the
+    custom operator; the arguments are those of :class:`autograd.LinearCrossEntropyFunction`."""
     loss, *wanted = _forward_op(
         hidden, weight, bias, labels, num_items, low_rank_hidden, low_rank_weight, token_weights, class_weights,
         *SCHEMA.values(options),
     )  # fmt: skip
-    return loss, *(value if asked else None for value, asked in zip(wanted[:5], options.want, strict=True))
+    return loss, *(value if asked else None for value, asked in zip(wanted[:6], options.want, strict=True))

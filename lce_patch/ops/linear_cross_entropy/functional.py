@@ -20,16 +20,21 @@ _REDUCTIONS = ("mean", "sum", "none")
 
 
 class CrossEntropyOutputs(NamedTuple):
-    """:func:`fused_linear_cross_entropy`'s outputs with ``return_lse`` or ``return_token_accuracy``.
+    """:func:`fused_linear_cross_entropy`'s outputs with ``return_lse``, ``return_token_accuracy`` or
+    ``return_predicted_tokens``.
 
     loss: as without them (fp32, 0-d or per token). lse: fp32 per-token log-sum-exp of the final logits, shaped
     like ``labels``, 0 where ignored, no gradient; or None. token_accuracy: fp32 0-d, the fraction of valid tokens
-    whose label is the argmax (first index on ties), no gradient; or None.
+    whose label is the argmax (first index on ties), no gradient; or None. predicted_tokens: int64, shaped like
+    ``labels``, each position's argmax of the final logits (first index on ties), ignored positions included,
+    except with ``skip_ignored`` / ``num_valid_tokens``, where they are not computed and hold ``ignore_index``;
+    or None.
     """
 
     loss: torch.Tensor
     lse: torch.Tensor | None = None
     token_accuracy: torch.Tensor | None = None
+    predicted_tokens: torch.Tensor | None = None
 
 
 class TokenOutputs(NamedTuple):
@@ -110,7 +115,8 @@ def _run_vocab_parallel(hidden, weight, bias, labels, num_items_in_batch, option
     if any(options.want):
         fail(
             "entropy, is_top1, mean_logits, log_sum_sq_probs, return_lse and return_token_accuracy are not "
-            "supported with a vocabulary-sharded weight (tensor parallelism); the loss and log-probabilities are"
+            "supported with a vocabulary-sharded weight (tensor parallelism), nor is return_predicted_tokens; the "
+            "loss and log-probabilities are"
         )
     hidden, weight, bias, labels, shard = unwrap_dtensors(hidden, weight, bias, labels)
     if vocab_shard is not None:
@@ -138,7 +144,8 @@ def _run_chunked(
     """Checks, casts, shifts and flattens the inputs, completes ``options`` with what the tensors decide (the
     backend, which inputs need gradients), then runs the chunked op: the autograd Function in eager mode, the
     custom operator under ``torch.compile`` (see custom_op.py). Returns (loss, entropy, is_top1, mean_logits,
-    log_sum_sq, lse, label_mask), each shaped like ``labels`` (the loss 0-d when scalar), None where not wanted."""
+    log_sum_sq, lse, predicted, label_mask), each shaped like ``labels`` (the loss 0-d when scalar), None where not
+    wanted."""
     check_inputs(hidden, weight, bias, labels)
     hidden, weight, bias = compute_dtype(hidden, weight, bias)
     low_rank = low_rank_inputs(low_rank_hidden, low_rank_weight, hidden, weight)
@@ -210,6 +217,7 @@ def fused_linear_cross_entropy(
     return_lse: bool = False,
     return_token_accuracy: bool = False,
     fp32_weight_grad: bool = False,
+    return_predicted_tokens: bool = False,
 ) -> torch.Tensor | CrossEntropyOutputs:
     """Cross-entropy of ``hidden @ weight.T + bias`` against ``labels`` without materializing the logits.
 
@@ -225,7 +233,7 @@ def fused_linear_cross_entropy(
             ``labels``, 0 where ignored).
         num_items_in_batch: when given, the loss is sum / num_items_in_batch (Trainer's gradient
             accumulation contract); not allowed with reduction="none".
-        label_smoothing: as in ``torch.nn.functional.cross_entropy``.
+        label_smoothing: as in ``torch.nn.functional.cross_entropy`` (also with ``class_weights``).
         z_loss: adds ``z_loss * logsumexp**2`` to each non-ignored token's loss.
         backend: "auto" (Triton on CUDA, torch elsewhere), "triton" or "torch".
         chunk_size: tokens per chunk, the memory/speed knob: the op holds ``chunk_size x V`` logits
@@ -260,8 +268,10 @@ def fused_linear_cross_entropy(
         class_weights: [V], any float dtype, finite and >= 0: each valid token's loss times its label's weight,
             as ``torch.nn.functional.cross_entropy(weight=...)``; "mean" is then the weighted mean (divided by
             the sum of the valid labels' weights, 0 when that is 0), "sum" the weighted sum,
-            ``num_items_in_batch`` divides the weighted sum by that count. Not with ``label_smoothing`` yet. No
-            gradient.
+            ``num_items_in_batch`` divides the weighted sum by that count. With ``label_smoothing`` the smoothing
+            term is weighted too, as torch's: ``(1 - eps) * w_y * (lse - z_y) + eps / V * sum_v w_v * (lse - z_v)``
+            (plus ``w_y * z_loss * lse**2``), "mean" still dividing by the valid labels' weights; all weights 0
+            give a 0 loss with zero gradients. No gradient.
         token_weights: [N] or the shape of ``labels``, any float dtype, finite and >= 0: each position's loss
             times its weight (with ``shift``, position t's, whose target is label t + 1). "mean" still divides
             by the number of valid tokens (and ``num_items_in_batch`` by itself), so weights of 1 give the
@@ -271,22 +281,36 @@ def fused_linear_cross_entropy(
             gradient), from the same pass: the z-loss's term, for logging apart.
         return_token_accuracy: also return the fraction of valid tokens whose label is the argmax of the
             logits (the first index on ties; 0 when none is valid; unweighted; no gradient), from the same
-            pass.
+            pass; computed from the same argmax as ``return_predicted_tokens``, so the two always agree.
         fp32_weight_grad: accumulate a bf16 weight's gradient in fp32 over the chunks and round it once
             (fp16 always is; fp32 and fp64 need nothing). Off by default: see the benchmark results for what
             it costs and gains.
+        return_predicted_tokens: also return each position's predicted token id, the argmax of its final
+            logits (after the softcap; the first index on ties, as ``torch.argmax``, a NaN logit winning), int64
+            shaped like ``labels``, no gradient, from the same pass (a compare and a select per logit, only when
+            asked; the loss and gradients are unchanged, bit for bit). Ignored positions get their argmax too
+            (with ``shift``, the last position's is the next token after the row), except with ``skip_ignored``
+            or ``num_valid_tokens``, which never compute those rows: they hold ``ignore_index`` there. The
+            softcap is monotonic, so this is the argmax of the raw logits except where it rounds distinct raw
+            logits near the cap to the same value (a tie there goes to the first index). As Liger's
+            ``return_predicted_tokens``.
 
     Returns:
         fp32 0-d loss (or per-token losses for reduction="none"). A batch whose labels are all ignored
-        gives 0 with zero gradients. With ``return_lse`` or ``return_token_accuracy``, a
-        :class:`CrossEntropyOutputs` (loss, lse, token_accuracy), None for what was not asked.
+        gives 0 with zero gradients. With ``return_lse``, ``return_token_accuracy`` or
+        ``return_predicted_tokens``, a :class:`CrossEntropyOutputs` (loss, lse, token_accuracy,
+        predicted_tokens), None for what was not asked.
     """
     del deterministic  # every path is deterministic; kept in the signature as a documented promise
     if reduction not in _REDUCTIONS:
         fail(f"unknown reduction {reduction!r}; expected one of {_REDUCTIONS}")
     if num_items_in_batch is not None and reduction == "none":
         fail("num_items_in_batch cannot be combined with reduction='none'")
-    for name, flag in (("return_lse", return_lse), ("return_token_accuracy", return_token_accuracy)):
+    for name, flag in (
+        ("return_lse", return_lse),
+        ("return_token_accuracy", return_token_accuracy),
+        ("return_predicted_tokens", return_predicted_tokens),
+    ):
         check_flag(name, flag)
     options = CrossEntropyOptions(
         ignore_index=ignore_index,
@@ -302,19 +326,19 @@ def fused_linear_cross_entropy(
         chunk_size=chunk_size,
         skip_ignored=skip_ignored,
         num_valid_tokens=num_valid_tokens,
-        want=(False, return_token_accuracy, False, False, return_lse),
+        want=(False, return_token_accuracy, False, False, return_lse, return_predicted_tokens),
         fp32_weight_grad=fp32_weight_grad,
     )
-    loss, _entropy, is_top1, _mean, _log_sum_sq, lse, label_mask = _run(
+    loss, _entropy, is_top1, _mean, _log_sum_sq, lse, predicted, label_mask = _run(
         hidden, weight, bias, labels, num_items_in_batch, low_rank_hidden, low_rank_weight, options, vocab_shard,
         token_weights, class_weights,
     )  # fmt: skip
-    if not (return_lse or return_token_accuracy):
+    if not (return_lse or return_token_accuracy or return_predicted_tokens):
         return loss
     accuracy = None
     if return_token_accuracy:
         accuracy = (is_top1.sum() / label_mask.sum().clamp(min=1)).to(loss.dtype)
-    return CrossEntropyOutputs(loss=loss, lse=lse, token_accuracy=accuracy)
+    return CrossEntropyOutputs(loss=loss, lse=lse, token_accuracy=accuracy, predicted_tokens=predicted)
 
 
 def fused_linear_log_probs(
@@ -384,13 +408,13 @@ def fused_linear_log_probs(
         reduction=None,
         backend=backend,
         shift=shift,
-        want=(return_entropy, return_is_top1, return_mean_logits, return_log_sum_sq_probs, False),
+        want=(return_entropy, return_is_top1, return_mean_logits, return_log_sum_sq_probs, False, False),
         chunk_size=chunk_size,
         skip_ignored=skip_ignored,
         num_valid_tokens=num_valid_tokens,
         precompute_grad=precompute_grad,
     )
-    loss, entropy, is_top1, mean_logits, log_sum_sq_probs, _lse, label_mask = _run(
+    loss, entropy, is_top1, mean_logits, log_sum_sq_probs, _lse, _predicted, label_mask = _run(
         hidden, weight, bias, labels, None, low_rank_hidden, low_rank_weight, options, vocab_shard
     )
     return TokenOutputs(

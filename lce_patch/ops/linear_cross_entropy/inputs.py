@@ -82,8 +82,6 @@ def loss_weights(token_weights, class_weights, label_shape, vocab_size, device, 
         return None, None
     if not options.scalar:
         fail("token_weights and class_weights weigh a scalar loss; with reduction='none' multiply the losses")
-    if class_weights is not None and options.label_smoothing:
-        fail("class_weights cannot be combined with label_smoothing yet")
     checked = []
     for name, value, shape in (
         ("token_weights", token_weights, tuple(label_shape)),

@@ -16,12 +16,45 @@ and its gradient with respect to ``raw`` is::
     dloss/draw_j = (p_j * (1 + 2 * z_loss * lse) - (1 - eps) * [j == y] - eps / V)
                    * (1 - tanh_j**2) * logit_scale / temperature,        p = softmax(z)
 
+Class weights ``w`` with label smoothing (``WEIGHTED_SMOOTHING``; ``F.cross_entropy(weight=w,
+label_smoothing=eps)``) weigh the smoothing term as well: a row's loss is
+``(1 - eps) * w_y * (lse - z_y) + eps / V * sum_v w_v * (lse - z_v) + w_y * z_loss * lse**2``, which is::
+
+    f * (lse - (1 - eps_y) * z_y - eps_y * sum_v q_v z_v + zl_y * lse**2),      q = w / W,  W = sum_v w_v,
+    f = (1 - eps) * w_y + eps * W / V,   eps_y = eps * W / V / f,   zl_y = w_y * z_loss / f
+
+(chunked.py's ``_class_smoothing``; eps_y = zl_y = 0 where f = 0, q = 0 where W = 0): the formulas above with
+the row's own smoothing ``eps_y`` and z-loss factor ``zl_y`` (two fp32 loads per row, in place of the scalars)
+and the smoothing spread as ``q`` instead of ``1 / V``. So the first pass sums ``q_v * z_v`` (one more fp32
+load per logit, of a [V] vector that every row shares and L2 holds) instead of the plain sum of the logits, and
+the gradient pass subtracts ``eps_y * q_j`` instead of ``eps / V``; the factor ``f`` (times the token weight)
+goes through the per-row scale of the gradient like any row weight, and the host multiplies the row's loss by
+it. The mean logit keeps its own sum, and the other cases compile without any of this. The passes then read 6
+bytes per logit instead of 2 (bf16): on the H200, per 1024-row chunk of the Llama-3 vocabulary, 209 -> 266 us
+with the gradient, 82 -> 262 without. Without a softcap ``sum_v q_v z_v`` is linear in the hidden state,
+``logit_scale * (h . W^T q + b . q)``, a GEMV that could spare the first pass that load (not done).
+
 ``_stats_kernel`` (one program per row) makes two passes over the row's V logits. The first is an
 online log-sum-exp in fp32, kept per lane and merged once at the end: a running max ``m`` and a
 sum ``s`` of ``exp(z - m)``, rescaled when the max grows, plus the target logit, the sum of the logits
 (label smoothing, mean logit), the entropy's sums (below), the sum of ``exp(2 (z - m))`` (``log sum
-p**2``, for WPO weights) and the max over positions before the target (argmax check with the
-first-index tie rule of ``torch.argmax``).
+p**2``, for WPO weights) and the argmax (the predicted token, and the argmax check).
+
+The argmax (``WANT_ARGMAX``: the predicted token ids; ``WANT_TOP1``: whether the label is the argmax) follows
+``torch.argmax``: the first index on ties, NaN the max. Each lane keeps the column of its max: per block, the
+first column that holds the lane's block max (a NaN's when that max is NaN), taken only when it beats the lane's
+max so far strictly, or is the lane's first NaN, so that earlier columns win ties; after the loop, the smallest
+column among the lanes that hold the row's max. The argmax check is ``argmax == label``, so the token accuracy
+and the ids always agree. Costs a compare, a select and a min per logit and one int32 register per lane, only
+when asked (constexprs: without them the kernel compiles as before; with them the loss's and the gradient's
+arithmetic is unchanged, bit for bit). The bounded-exponent path keeps no max otherwise; with one logit per lane
+(its form with the gradient) it keeps the max and its column per ``MAX_REGROUP`` = 8 lanes (an order-preserving
+reshape), which took the argmax's cost there from +62% to +16%. On the H200, per 1024-row chunk of the
+Llama-3 vocabulary in bf16, the ids cost 80 -> 98 us without the gradient, 209 -> 217 with it, softcapped
+(bound 30) 124 -> 150 and 251 -> 291, one-pass 166 -> 177; the check, which used to track the max before the
+target instead, went from 105, 217, 177, 400 and 202 us to 98, 219, 150, 277 and 179. It is the argmax of
+the final logits: under a softcap, tanh may round distinct raw logits near the cap to one value, and that tie
+goes to the first index.
 
 The entropy is a sum of non-negative terms::
 
@@ -45,8 +78,9 @@ buffer's own softmax, which is what the GEMMs consume.
 When ``WRITE_GRAD`` is set, a second pass overwrites the buffer in place with the gradient above
 (the target's ``-(1 - eps)`` term in one store after the loop, behind a barrier), times the
 reduction factor read from device memory (1/n_valid or 1/num_items_in_batch for a valid row, 0 for
-an ignored one), exactly where the unfused path applies it: scaling a bf16 dh or dW afterwards would
-round it a second time. The second pass re-reads the row from HBM: one program per row keeps more
+an ignored one; with ``PER_ROW_SCALE`` the row's own, which carries its token and class weights),
+exactly where the unfused path applies it: scaling a bf16 dh or dW afterwards would round it a
+second time. The second pass re-reads the row from HBM: one program per row keeps more
 rows in flight than L2 holds, and fewer programs looping over rows measured slower (NOTES v10).
 
 With a softcap (``FIXED_MAX``: |z| <= softcap / temperature <= 40) and no label smoothing or
@@ -106,7 +140,6 @@ def _load_block(row_ptr, cols, vocab_size, MASKED: tl.constexpr):
 def _stats_block(
     row_ptr,
     cols,
-    label,
     vocab_size,
     logit_scale,
     softcap,
@@ -116,22 +149,29 @@ def _stats_block(
     lane_sum,
     lane_sum_z,
     lane_z,
-    lane_before_target,
     lane_sum_sq,
     lane_rest,
     lane_ties,
+    q_ptr,
+    lane_qz,
+    lane_arg,
     HAS_SOFTCAP: tl.constexpr,
     HAS_SUM_Z: tl.constexpr,
+    WEIGHTED_SMOOTHING: tl.constexpr,
     FIXED_MAX: tl.constexpr,
     WANT_ENTROPY: tl.constexpr,
-    WANT_TOP1: tl.constexpr,
     WANT_LOG_SUM_SQ: tl.constexpr,
+    WANT_ARGMAX: tl.constexpr,
+    MAX_REGROUP: tl.constexpr,
     STORE_UNNORMALIZED: tl.constexpr,
     MASKED: tl.constexpr,
 ):
     """One block of the first pass: fold the logits at ``cols`` [LANES, GROUP] into the per-lane
     accumulators [LANES] (one lane holds GROUP consecutive logits); with ``STORE_UNNORMALIZED``
-    (bounded exponents only) also overwrite them with ``exp(z - fixed_max) * (1 - tanh**2)``."""
+    (bounded exponents only) also overwrite them with ``exp(z - fixed_max) * (1 - tanh**2)``; with
+    ``WEIGHTED_SMOOTHING`` add ``q * z`` (``q``: the normalized class weights at ``cols``) into ``lane_qz``;
+    with ``WANT_ARGMAX`` keep in ``lane_arg`` the column of each lane's max (``lane_max``; both per
+    ``MAX_REGROUP`` lanes on the bounded-exponent path)."""
     raw = _load_block(row_ptr, cols, vocab_size, MASKED)
     z, t = transform_logits(raw, logit_scale, softcap, inv_temperature, HAS_SOFTCAP)
     z_or_0 = z
@@ -150,13 +190,22 @@ def _stats_block(
                 tl.store(row_ptr + cols, unnormalized, mask=cols < vocab_size)
             else:
                 tl.store(row_ptr + cols, unnormalized)
-        if WANT_TOP1:
-            lane_max = max_keep_nan(lane_max, tl.reduce(z, 1, max_keep_nan))
+        if WANT_ARGMAX:  # the max is kept for the argmax only
+            z_max, max_cols = z, cols
+            if MAX_REGROUP > 1:  # one logit per lane: the max (and argmax) kept per MAX_REGROUP lanes
+                z_max = tl.reshape(z, [z.shape[0] // MAX_REGROUP, z.shape[1] * MAX_REGROUP])
+                max_cols = tl.reshape(cols, [z.shape[0] // MAX_REGROUP, z.shape[1] * MAX_REGROUP])
+            block_max = tl.reduce(z_max, 1, max_keep_nan)
+            lane_arg = _lane_argmax(z_max, max_cols, block_max, lane_max, lane_arg)
+            lane_max = max_keep_nan(lane_max, block_max)
     else:
         # One running max per lane, i.e. per GROUP logits: one rescale exp per group, one exp per
         # logit. NaN must win the max (the default max drops it): a NaN logit seen first in its
         # lane would otherwise look like padding below and vanish from the sums.
-        new_max = max_keep_nan(lane_max, tl.reduce(z, 1, max_keep_nan))
+        block_max = tl.reduce(z, 1, max_keep_nan)
+        if WANT_ARGMAX:
+            lane_arg = _lane_argmax(z, cols, block_max, lane_max, lane_arg)
+        new_max = max_keep_nan(lane_max, block_max)
         empty_lane = new_max == float("-inf")  # only padding seen so far: keep zero sums, no inf - inf
         rescale = tl.where(empty_lane, 1.0, tl.exp(lane_max - new_max))
         e = tl.where(empty_lane[:, None], 0.0, tl.exp(z - new_max[:, None]))
@@ -180,11 +229,21 @@ def _stats_block(
         lane_max = new_max
     if HAS_SUM_Z:
         lane_z += tl.sum(z_or_0, 1)
-    if WANT_TOP1:
-        lane_before_target = max_keep_nan(
-            lane_before_target, tl.reduce(tl.where(cols < label, z, float("-inf")), 1, max_keep_nan)
-        )
-    return lane_max, lane_sum, lane_sum_z, lane_z, lane_before_target, lane_sum_sq, lane_rest, lane_ties
+    if WEIGHTED_SMOOTHING:  # q is 0 past the row's end, where z_or_0 is 0 too
+        lane_qz += tl.sum(_load_block(q_ptr, cols, vocab_size, MASKED) * z_or_0, 1)
+    return lane_max, lane_sum, lane_sum_z, lane_z, lane_sum_sq, lane_rest, lane_ties, lane_qz, lane_arg
+
+
+@triton.jit
+def _lane_argmax(z, cols, block_max, lane_max, lane_arg):
+    """Each lane's argmax after folding in a block: the first column of the block's max in the lane (a NaN's
+    when the max is NaN) where that max beats the lane's so far, strictly (its earlier columns win ties) or as
+    the lane's first NaN; else the lane's column so far. A lane whose logits are all -inf (or padding) keeps its
+    initial 0: it can hold the row's max only when every logit is -inf, where the argmax is 0."""
+    hit = (z == block_max[:, None]) | (z != z)
+    block_arg = tl.min(tl.where(hit, cols, 2147483647), 1)
+    take = (block_max > lane_max) | ((block_max != block_max) & (lane_max == lane_max))
+    return tl.where(take, block_arg, lane_arg)
 
 
 @triton.jit
@@ -206,16 +265,21 @@ def _grad_block(
     softcap,
     inv_temperature,
     label_smoothing,
+    q_ptr,
     HAS_SOFTCAP: tl.constexpr,
     HAS_SMOOTHING: tl.constexpr,
+    WEIGHTED_SMOOTHING: tl.constexpr,
     MASKED: tl.constexpr,
 ):
     """One block of the second pass: overwrite the logits at ``cols`` with their gradient, leaving out
-    the target's ``- (1 - label_smoothing)`` (the kernel writes the target's element after the loop)."""
+    the target's ``- (1 - label_smoothing)`` (the kernel writes the target's element after the loop).
+    With ``WEIGHTED_SMOOTHING``, ``label_smoothing`` is the row's own (``eps_y``) and spreads as ``eps_y * q_j``."""
     raw = _load_block(row_ptr, cols, vocab_size, MASKED)
     z, t = transform_logits(raw, logit_scale, softcap, inv_temperature, HAS_SOFTCAP)
     grad = tl.exp(z - lse) * p_scale
-    if HAS_SMOOTHING:
+    if WEIGHTED_SMOOTHING:
+        grad -= label_smoothing * _load_block(q_ptr, cols, vocab_size, MASKED)
+    elif HAS_SMOOTHING:
         grad -= label_smoothing / vocab_size
     grad = grad * raw_scale
     if HAS_SOFTCAP:
@@ -237,9 +301,13 @@ def _stats_kernel(
     is_top1_ptr,
     mean_logit_ptr,
     log_sum_sq_ptr,
+    argmax_ptr,
     grad_scale_ptr,
     target_raw_ptr,
     row_factor_ptr,
+    class_q_ptr,
+    row_smoothing_ptr,
+    row_z_loss_ptr,
     vocab_size,
     ignore_index,
     logit_scale,
@@ -257,11 +325,14 @@ def _stats_kernel(
     WANT_TOP1: tl.constexpr,
     WANT_MEAN_LOGIT: tl.constexpr,
     WANT_LOG_SUM_SQ: tl.constexpr,
+    WANT_ARGMAX: tl.constexpr,
     WRITE_GRAD: tl.constexpr,
     UNNORMALIZED_GRAD: tl.constexpr,
     PER_ROW_SCALE: tl.constexpr,
+    WEIGHTED_SMOOTHING: tl.constexpr,
     BLOCK_V: tl.constexpr,
     LANE_GROUP: tl.constexpr,
+    MAX_REGROUP: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     row_ptr = logits_ptr + row * logits_row_stride
@@ -293,33 +364,35 @@ def _stats_kernel(
     # Full blocks run without masks; the last, partial block (if any) with them.
     lanes: tl.constexpr = BLOCK_V // LANE_GROUP
     lane_cols = tl.arange(0, lanes)[:, None] * LANE_GROUP + tl.arange(0, LANE_GROUP)[None, :]
-    lane_max = tl.full([lanes], float("-inf"), tl.float32)
+    # The running max is per lane; kept only for the argmax (FIXED_MAX), it may be per MAX_REGROUP lanes.
+    lane_max = tl.full([lanes // MAX_REGROUP], float("-inf"), tl.float32)
     lane_sum = tl.zeros([lanes], tl.float32)
     lane_sum_z = tl.zeros([lanes], tl.float32)
     lane_z = tl.zeros([lanes], tl.float32)
-    lane_before_target = tl.full([lanes], float("-inf"), tl.float32)
     lane_sum_sq = tl.zeros([lanes], tl.float32)
     lane_rest = tl.zeros([lanes], tl.float32)
     lane_ties = tl.zeros([lanes], tl.float32)
+    lane_qz = tl.zeros([lanes], tl.float32)
+    lane_arg = tl.zeros([lanes // MAX_REGROUP], tl.int32)
     full_end = vocab_size // BLOCK_V * BLOCK_V
     for start in range(0, full_end, BLOCK_V):
-        lane_max, lane_sum, lane_sum_z, lane_z, lane_before_target, lane_sum_sq, lane_rest, lane_ties = _stats_block(
-            row_ptr, start + lane_cols, label, vocab_size, logit_scale, softcap, inv_temperature,
-            fixed_max, lane_max, lane_sum, lane_sum_z, lane_z, lane_before_target, lane_sum_sq, lane_rest,
-            lane_ties, HAS_SOFTCAP,
-            HAS_SMOOTHING or WANT_MEAN_LOGIT, FIXED_MAX, WANT_ENTROPY, WANT_TOP1, WANT_LOG_SUM_SQ,
+        lane_max, lane_sum, lane_sum_z, lane_z, lane_sum_sq, lane_rest, lane_ties, lane_qz, lane_arg = _stats_block(
+            row_ptr, start + lane_cols, vocab_size, logit_scale, softcap, inv_temperature, fixed_max,
+            lane_max, lane_sum, lane_sum_z, lane_z, lane_sum_sq, lane_rest, lane_ties, class_q_ptr, lane_qz,
+            lane_arg, HAS_SOFTCAP, (HAS_SMOOTHING and not WEIGHTED_SMOOTHING) or WANT_MEAN_LOGIT,
+            WEIGHTED_SMOOTHING, FIXED_MAX, WANT_ENTROPY, WANT_LOG_SUM_SQ, WANT_ARGMAX or WANT_TOP1, MAX_REGROUP,
             UNNORMALIZED_GRAD, False,
         )  # fmt: skip
     if full_end < vocab_size:
-        lane_max, lane_sum, lane_sum_z, lane_z, lane_before_target, lane_sum_sq, lane_rest, lane_ties = _stats_block(
-            row_ptr, full_end + lane_cols, label, vocab_size, logit_scale, softcap, inv_temperature,
-            fixed_max, lane_max, lane_sum, lane_sum_z, lane_z, lane_before_target, lane_sum_sq, lane_rest,
-            lane_ties, HAS_SOFTCAP,
-            HAS_SMOOTHING or WANT_MEAN_LOGIT, FIXED_MAX, WANT_ENTROPY, WANT_TOP1, WANT_LOG_SUM_SQ,
+        lane_max, lane_sum, lane_sum_z, lane_z, lane_sum_sq, lane_rest, lane_ties, lane_qz, lane_arg = _stats_block(
+            row_ptr, full_end + lane_cols, vocab_size, logit_scale, softcap, inv_temperature, fixed_max,
+            lane_max, lane_sum, lane_sum_z, lane_z, lane_sum_sq, lane_rest, lane_ties, class_q_ptr, lane_qz,
+            lane_arg, HAS_SOFTCAP, (HAS_SMOOTHING and not WEIGHTED_SMOOTHING) or WANT_MEAN_LOGIT,
+            WEIGHTED_SMOOTHING, FIXED_MAX, WANT_ENTROPY, WANT_LOG_SUM_SQ, WANT_ARGMAX or WANT_TOP1, MAX_REGROUP,
             UNNORMALIZED_GRAD, True,
         )  # fmt: skip
 
-    running_max = tl.max(lane_max, 0)  # the row's max logit (argmax check)
+    running_max = tl.max(lane_max, 0)  # the row's max logit
     if FIXED_MAX:
         ref_max = fixed_max  # the sums are of exp(z - ref_max)
         sum_exp = tl.sum(lane_sum, 0)
@@ -340,7 +413,14 @@ def _stats_kernel(
         if WANT_LOG_SUM_SQ:  # (the launcher never combines it with FIXED_MAX)
             sum_exp_sq = tl.sum(lane_sum_sq * (lane_weight * lane_weight), 0)
     sum_z = tl.sum(lane_z, 0)
-    max_before_target = tl.max(lane_before_target, 0)
+    # The row's label smoothing and z-loss factor: the options' scalars, or with class weights the row's own
+    # (eps_y and zl_y of the design note; the row's factor f is in its grad_scale and the host's row weight).
+    row_smoothing = label_smoothing
+    row_z_loss = z_loss
+    if WEIGHTED_SMOOTHING:
+        row_smoothing = tl.load(row_smoothing_ptr + row)
+        if HAS_Z_LOSS:
+            row_z_loss = tl.load(row_z_loss_ptr + row)
 
     lse = ref_max + tl.log(sum_exp)
     # The loss uses the target logit before the buffer's rounding when it is given (fp32 dot product
@@ -354,19 +434,27 @@ def _stats_kernel(
         loss_lse = tl.where(label_in_row, ref_max + tl.log(exact_sum), lse)
         loss_target_z = tl.where(label_in_row, exact_z, target_z)
     loss = loss_lse - loss_target_z
-    if HAS_SMOOTHING:
+    if WEIGHTED_SMOOTHING:  # sum_v q_v z_v in place of the mean logit
+        loss = loss_lse - (1.0 - row_smoothing) * loss_target_z - row_smoothing * tl.sum(lane_qz, 0)
+    elif HAS_SMOOTHING:
         loss = loss_lse - (1.0 - label_smoothing) * loss_target_z - label_smoothing * (sum_z / vocab_size)
     if HAS_Z_LOSS:
-        loss += z_loss * loss_lse * loss_lse
+        loss += row_z_loss * loss_lse * loss_lse
     # Every form of the loss is >= 0 (lse is at least any average of the logits); the exact-target swap can
     # round it to -1e-7, i.e. a log-probability above 0. NaN stays NaN.
     tl.store(loss_ptr + row, tl.where(valid, tl.where(loss < 0.0, 0.0, loss), 0.0))
     tl.store(lse_ptr + row, lse)
     if WANT_ENTROPY:
         tl.store(entropy_ptr + row, tl.where(valid, entropy, 0.0))
-    if WANT_TOP1:
-        top1 = (target_z >= running_max) & (target_z > max_before_target) & label_in_row
-        tl.store(is_top1_ptr + row, top1.to(tl.int8))
+    if WANT_ARGMAX or WANT_TOP1:
+        # The lanes' argmaxes merged: the smallest column among the lanes that hold the row's max (NaN's, if any)
+        row_top = tl.reduce(lane_max, 0, max_keep_nan)
+        lane_hit = (lane_max == row_top) | (lane_max != lane_max)
+        argmax = tl.min(tl.where(lane_hit, lane_arg, 2147483647), 0)
+        if WANT_ARGMAX:
+            tl.store(argmax_ptr + row, argmax.to(tl.int64))
+        if WANT_TOP1:  # the argmax check reads the same argmax, so that the two always agree
+            tl.store(is_top1_ptr + row, ((argmax == label) & label_in_row).to(tl.int8))
     if WANT_MEAN_LOGIT:
         tl.store(mean_logit_ptr + row, tl.where(valid, sum_z / vocab_size, 0.0))
     if WANT_LOG_SUM_SQ:  # log(sum p**2) = log(sum exp(2 (z - max))) - 2 log(sum exp(z - max)), <= 0
@@ -388,22 +476,24 @@ def _stats_kernel(
     elif WRITE_GRAD:
         p_scale = 1.0
         if HAS_Z_LOSS:
-            p_scale = 1.0 + 2.0 * z_loss * lse
+            p_scale = 1.0 + 2.0 * row_z_loss * lse
         for start in range(0, full_end, BLOCK_V):
             _grad_block(
                 row_ptr, start + tl.arange(0, BLOCK_V), vocab_size, lse, p_scale, raw_scale, logit_scale, softcap,
-                inv_temperature, label_smoothing, HAS_SOFTCAP, HAS_SMOOTHING, False,
+                inv_temperature, row_smoothing, class_q_ptr, HAS_SOFTCAP, HAS_SMOOTHING, WEIGHTED_SMOOTHING, False,
             )  # fmt: skip
         if full_end < vocab_size:
             _grad_block(
                 row_ptr, full_end + tl.arange(0, BLOCK_V), vocab_size, lse, p_scale, raw_scale, logit_scale, softcap,
-                inv_temperature, label_smoothing, HAS_SOFTCAP, HAS_SMOOTHING, True,
+                inv_temperature, row_smoothing, class_q_ptr, HAS_SOFTCAP, HAS_SMOOTHING, WEIGHTED_SMOOTHING, True,
             )  # fmt: skip
         # The target's element, with its -(1 - label_smoothing), over what the loop wrote there; the
         # barrier orders this store after every thread's stores of the loop.
         tl.debug_barrier()
-        target_grad = tl.exp(target_z - lse) * p_scale - (1.0 - label_smoothing)
-        if HAS_SMOOTHING:
+        target_grad = tl.exp(target_z - lse) * p_scale - (1.0 - row_smoothing)
+        if WEIGHTED_SMOOTHING:
+            target_grad -= row_smoothing * tl.load(class_q_ptr + safe_label).to(tl.float32)
+        elif HAS_SMOOTHING:
             target_grad -= label_smoothing / vocab_size
         target_grad = target_grad * raw_scale
         if HAS_SOFTCAP:

@@ -51,12 +51,12 @@ class CrossEntropyOptions(LogitTransform):
     for per-token outputs. backend: as asked ("auto", "triton", "torch"); use_triton: what it resolved to for
     the call's tensors. shift: labels are shifted before the chunked op (which never reads it). needs_grad:
     whether (hidden, weight, bias) get gradients; needs_low_rank_grad: whether the low-rank term's (hidden,
-    weight) do. want: whether to compute (entropy, is_top1, mean_logit, log_sum_sq, lse). chunk_size: rows per
-    chunk, None for the default. skip_ignored / num_valid_tokens: process the valid rows only (see
-    :func:`..core.checks.selected_rows`). precompute_grad: see :func:`fused_linear_log_probs`.
-    fp32_weight_grad: accumulate a bf16 dW in fp32 (rounded once at the end). shard: the
-    weight is this rank's shard of a vocabulary split across a process group (vocab_parallel.py; ``vocab_size``
-    is then the whole vocabulary's, and ``want`` all False); never through the custom operators.
+    weight) do. want: whether to compute (entropy, is_top1, mean_logit, log_sum_sq, lse, predicted: the argmax
+    ids). chunk_size: rows per chunk, None for the default. skip_ignored / num_valid_tokens: process the valid
+    rows only (see :func:`..core.checks.selected_rows`). precompute_grad: see :func:`fused_linear_log_probs`.
+    fp32_weight_grad: accumulate a bf16 dW in fp32 (rounded once at the end). shard: the weight is this rank's
+    shard of a vocabulary split across a process group (vocab_parallel.py; ``vocab_size`` is then the whole
+    vocabulary's, and ``want`` all False); never through the custom operators.
     """
 
     reduction: str | None = "mean"
@@ -65,7 +65,7 @@ class CrossEntropyOptions(LogitTransform):
     shift: bool = False
     needs_grad: tuple[bool, bool, bool] = (False, False, False)
     needs_low_rank_grad: tuple[bool, bool] = (False, False)
-    want: tuple[bool, bool, bool, bool, bool] = (False, False, False, False, False)
+    want: tuple[bool, bool, bool, bool, bool, bool] = (False, False, False, False, False, False)
     chunk_size: int | None = None
     skip_ignored: bool = False
     num_valid_tokens: int | None = None

@@ -34,6 +34,10 @@ _BLOCK_V_GRAD = 4096
 # pass with the gradient 571 -> 588: that case keeps one logit per lane (NOTES v11), and so does its
 # one-pass form (675 us per 1792-row chunk vs 686-791 with lanes of 2, 4 or 8; NOTES v15).
 _LANE_GROUP = 8
+# With one logit per lane (the bounded-exponent pass with the gradient) the argmax is kept per this many lanes:
+# one max and one column per lane took that pass from 251 to 407 us per 1024-row chunk of the Llama-3
+# vocabulary (softcap 30, bf16) on the H200, per 8 lanes to 291 (order-preserving reshape).
+_MAX_REGROUP = 8
 # Softcapped logits satisfy |z| <= softcap / temperature; up to this bound the stats kernel takes its
 # exponentials against the bound instead of a running max (exp(-2 * 40) is still a normal fp32).
 _FIXED_MAX_LIMIT = 40.0
@@ -58,6 +62,25 @@ class LogitTransform:
     vocab_size: int | None = None
 
 
+@dataclass(frozen=True)
+class ClassSmoothing:
+    """Label smoothing with class weights (``F.cross_entropy(weight=w, label_smoothing=eps)``), for the rows of
+    one chunk. A row's weighted loss is ``f * (lse - (1 - eps_y) * z_y - eps_y * sum_v q_v z_v + zl_y * lse**2)``:
+    ``q`` [V] is the class weights normalized to sum to 1 (0 when they sum to 0), ``smoothing`` [C] each row's
+    ``eps_y`` and ``z_loss`` [C] its ``zl_y`` (both 0 where the row's factor ``f`` is 0); ``f`` is applied outside
+    the row pass, as a row weight (see chunked.py's ``_class_smoothing``). fp32 (fp64 for fp64), contiguous."""
+
+    q: torch.Tensor
+    smoothing: torch.Tensor
+    z_loss: torch.Tensor
+
+    def rows(self, start: int, stop: int) -> ClassSmoothing:
+        return ClassSmoothing(self.q, self.smoothing[start:stop], self.z_loss[start:stop])
+
+    def select(self, row_index: torch.Tensor) -> ClassSmoothing:
+        return ClassSmoothing(self.q, self.smoothing.index_select(0, row_index), self.z_loss.index_select(0, row_index))
+
+
 @dataclass
 class RowOutputs:
     """fp32 per-row outputs of ``chunk_stats`` (views into full-length buffers)."""
@@ -68,6 +91,7 @@ class RowOutputs:
     is_top1: torch.Tensor | None = None  # int8
     mean_logit: torch.Tensor | None = None
     log_sum_sq: torch.Tensor | None = None  # log(sum_v p_v**2)
+    predicted: torch.Tensor | None = None  # int64: the argmax of the final logits (first index on ties)
 
 
 # --------------------------------------------------------------------------- torch versions
@@ -115,7 +139,13 @@ def _entropy(z: torch.Tensor) -> torch.Tensor:
 
 
 def _torch_chunk_stats(
-    raw, labels, transform, out: RowOutputs, grad_scale: torch.Tensor | None, target_raw: torch.Tensor | None
+    raw,
+    labels,
+    transform,
+    out: RowOutputs,
+    grad_scale: torch.Tensor | None,
+    target_raw: torch.Tensor | None,
+    class_smoothing: ClassSmoothing | None = None,
 ) -> None:
     z, tanh = final_logits(raw, transform)
     vocab_size = z.shape[1]
@@ -134,20 +164,30 @@ def _torch_chunk_stats(
         loss_lse = torch.where(in_row, row_max + torch.log(exact_sum), lse)
         loss_target_z = torch.where(in_row, exact_z, target_z)
     loss = loss_lse - loss_target_z
-    if transform.label_smoothing or out.mean_logit is not None:
+    if out.mean_logit is not None or (transform.label_smoothing and class_smoothing is None):
         mean_z = z.mean(dim=1)
-    if transform.label_smoothing:
-        eps = transform.label_smoothing
+    # eps and the z-loss factor: the options' for every row, or each row's with class weights (ClassSmoothing)
+    eps, z_loss = transform.label_smoothing, transform.z_loss
+    if class_smoothing is not None:
+        eps = class_smoothing.smoothing.to(z.dtype)
+        z_loss = class_smoothing.z_loss.to(z.dtype) if transform.z_loss else 0.0
+        weighted_z = torch.mv(z, class_smoothing.q.to(z.dtype))  # sum_v q_v z_v
+        loss = loss_lse - (1.0 - eps) * loss_target_z - eps * weighted_z
+    elif transform.label_smoothing:
         loss = loss_lse - (1.0 - eps) * loss_target_z - eps * mean_z
     if transform.z_loss:
-        loss = loss + transform.z_loss * loss_lse * loss_lse
+        loss = loss + z_loss * loss_lse * loss_lse
     # >= 0 in exact arithmetic: clamp the rounding of the exact-target swap (a log-probability above 0); NaN stays
     out.loss.copy_(torch.where(valid, torch.where(loss < 0, 0.0, loss), 0.0))
     out.lse.copy_(lse)
     if out.entropy is not None:
         out.entropy.copy_(torch.where(valid, _entropy(z), 0.0))
-    if out.is_top1 is not None:
-        out.is_top1.copy_((z.argmax(dim=1) == labels) & valid)
+    if out.is_top1 is not None or out.predicted is not None:
+        predicted = z.argmax(dim=1)  # NaN is the max; the first index on ties
+        if out.predicted is not None:
+            out.predicted.copy_(predicted)
+        if out.is_top1 is not None:
+            out.is_top1.copy_((predicted == labels) & valid)
     if out.mean_logit is not None:
         out.mean_logit.copy_(torch.where(valid, mean_z, 0.0))
     if out.log_sum_sq is not None:  # log(sum p**2) = logsumexp(2z) - 2 lse, both of the buffer's logits; <= 0
@@ -156,10 +196,12 @@ def _torch_chunk_stats(
     if grad_scale is not None:
         grad = torch.exp(z - lse.unsqueeze(1))
         if transform.z_loss:
-            grad.mul_((1.0 + 2.0 * transform.z_loss * lse).unsqueeze(1))
-        one_hot = in_row.to(grad.dtype) * -(1.0 - transform.label_smoothing)
+            grad.mul_((1.0 + 2.0 * z_loss * lse).unsqueeze(1))
+        one_hot = in_row.to(grad.dtype) * -(1.0 - eps)
         grad.scatter_add_(1, safe_labels, one_hot.unsqueeze(1))
-        if transform.label_smoothing:
+        if class_smoothing is not None:  # - eps_y * q_j
+            grad.sub_(eps.unsqueeze(1) * class_smoothing.q.to(grad.dtype))
+        elif transform.label_smoothing:
             grad.sub_(transform.label_smoothing / (transform.vocab_size or vocab_size))
         grad.mul_(torch.where(valid, grad_scale, 0.0).unsqueeze(1))
         raw.copy_(_raw_grad_factor(transform, tanh, grad))
@@ -234,6 +276,7 @@ def _triton_chunk_stats(
     grad_scale: torch.Tensor | None,
     target_raw: torch.Tensor | None,
     row_factor: torch.Tensor | None,
+    class_smoothing: ClassSmoothing | None = None,
 ) -> None:
     rows, vocab_size = raw.shape
     placeholder = out.loss
@@ -250,6 +293,7 @@ def _triton_chunk_stats(
         raise ValueError("chunk_stats: row_factor cannot be combined with log_sum_sq")
     block_v = min(_BLOCK_V_STATS, next_power_of_2(vocab_size))
     lane_group = 1 if use_fixed_max and grad_scale is not None else min(_LANE_GROUP, block_v)
+    argmax = out.predicted is not None or out.is_top1 is not None  # is_top1 reads the argmax
     _kernels._stats_kernel[(rows,)](
         raw,
         raw.stride(0),
@@ -260,9 +304,13 @@ def _triton_chunk_stats(
         out.is_top1 if out.is_top1 is not None else placeholder,
         out.mean_logit if out.mean_logit is not None else placeholder,
         out.log_sum_sq if want_log_sum_sq else placeholder,
+        out.predicted if out.predicted is not None else placeholder,
         grad_scale if grad_scale is not None else placeholder,
         target_raw if target_raw is not None else placeholder,
         row_factor if unnormalized else placeholder,
+        class_smoothing.q if class_smoothing is not None else placeholder,
+        class_smoothing.smoothing if class_smoothing is not None else placeholder,
+        class_smoothing.z_loss if class_smoothing is not None else placeholder,
         vocab_size,
         fixed_max=fixed_max if use_fixed_max else 0.0,
         HAS_EXACT_TARGET=target_raw is not None,
@@ -271,11 +319,14 @@ def _triton_chunk_stats(
         WANT_TOP1=out.is_top1 is not None,
         WANT_MEAN_LOGIT=out.mean_logit is not None,
         WANT_LOG_SUM_SQ=want_log_sum_sq,
+        WANT_ARGMAX=out.predicted is not None,
         WRITE_GRAD=grad_scale is not None,
         UNNORMALIZED_GRAD=unnormalized,
         PER_ROW_SCALE=grad_scale is not None and grad_scale.dim() == 1,
+        WEIGHTED_SMOOTHING=class_smoothing is not None,
         BLOCK_V=block_v,
         LANE_GROUP=lane_group,
+        MAX_REGROUP=_MAX_REGROUP if argmax and lane_group == 1 and block_v >= _MAX_REGROUP else 1,
         num_warps=_STATS_NUM_WARPS,
         **_kernel_scalars(transform),
     )
@@ -315,6 +366,7 @@ def chunk_stats(
     use_triton: bool,
     target_raw: torch.Tensor | None = None,
     row_factor: torch.Tensor | None = None,
+    class_smoothing: ClassSmoothing | None = None,
 ) -> None:
     """Fill ``out`` for the rows of ``raw`` [C, V]. With ``grad_scale`` (fp32, 0-d: the reduction factor; or
     [C]: each row's, token or class weights times it), overwrite ``raw`` in place with grad_scale * d(loss_row)/d(raw), zero for
@@ -322,17 +374,22 @@ def chunk_stats(
     :func:`unnormalized_grad_applies`), in one pass instead of two: ``raw`` then holds that gradient
     divided row by row by ``row_factor``, which the kernel fills. ``target_raw`` (fp32 [C], from
     :func:`target_logits`) replaces the buffer's rounded target logit in the loss (not in the gradient).
-    A row whose valid label lies outside [0, V) (a vocabulary shard's row) gets a target logit of 0."""
+    A row whose valid label lies outside [0, V) (a vocabulary shard's row) gets a target logit of 0.
+    ``class_smoothing`` (with ``transform.label_smoothing``): the class-weighted smoothing of the chunk's rows
+    (:class:`ClassSmoothing`), whose per-row ``eps_y`` and ``zl_y`` replace the transform's ``label_smoothing``
+    and ``z_loss``; the row's factor ``f`` is then in ``grad_scale`` (and applied to the loss by the caller)."""
     if transform.vocab_size is not None and transform.label_smoothing:
         raise ValueError(
             "chunk_stats: a vocabulary shard's smoothed loss is assembled across shards (vocab_parallel.py)"
         )
+    if class_smoothing is not None and not transform.label_smoothing:
+        raise ValueError("chunk_stats: class_smoothing needs label_smoothing")
     if use_triton:
-        _triton_chunk_stats(raw, labels, transform, out, grad_scale, target_raw, row_factor)
+        _triton_chunk_stats(raw, labels, transform, out, grad_scale, target_raw, row_factor, class_smoothing)
     else:
         if row_factor is not None:
             raise ValueError("chunk_stats: row_factor is a Triton-only option")
-        _torch_chunk_stats(raw, labels, transform, out, grad_scale, target_raw)
+        _torch_chunk_stats(raw, labels, transform, out, grad_scale, target_raw, class_smoothing)
 
 
 def target_logits(
