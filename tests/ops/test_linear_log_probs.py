@@ -151,6 +151,29 @@ def test_precomputed_token_gradients(backend, skip_ignored, upstream, monkeypatc
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("skip_ignored", [False, True])
+@pytest.mark.parametrize("entropy", [False, True])
+def test_precomputed_token_gradients_of_a_frozen_softcapped_head(backend, skip_ignored, entropy):
+    # TRL's SFT path under LoRA on a Gemma-2 head: per-token log-probs (and entropy) with precompute_grad, dh only.
+    # Without the entropy this runs the one-pass softcapped gradient (rows scaled by row_factor); with it the
+    # two-pass one (the entropy needs the running max): both must give the reference's dh.
+    hidden, weight, labels, _ = make_inputs(batch=2, n=11, seed=6)
+    labels[:, :3] = -100
+    log_probs, _, _ = naive_token_outputs(hidden.requires_grad_(), weight, labels, softcap=5.0)
+    ref_grad = torch.autograd.grad(-log_probs.sum() / (labels != -100).sum(), hidden)[0]
+
+    device = device_of(backend)
+    h = leaf(hidden, torch.float32, device=device)
+    w = leaf(weight, torch.float32, requires_grad=False, device=device)
+    out = fused_linear_log_probs(
+        h, w, on(backend, labels), softcap=5.0, return_entropy=entropy, backend=backend, chunk_size=4,
+        skip_ignored=skip_ignored, precompute_grad=True,
+    )  # fmt: skip
+    (grad,) = torch.autograd.grad(-out.log_probs.sum() / out.label_mask.sum(), [h])
+    assert rel_err(grad, ref_grad) < 1e-5, rel_err(grad, ref_grad)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_is_top1_when_target_is_the_argmax(backend):
     hidden, weight, labels, _ = make_inputs(ignore_every=0)
     logits = hidden @ weight.T

@@ -305,11 +305,13 @@ def _chunked_forward(
         shard_pass = ShardRowPass(shard, options, buffer.shape[0], use_triton, hidden.dtype, device)
     gathered = _gather_buffer(hidden, row_index, buffer.shape[0], grads)
     # The one-pass gradient (rows to be scaled by row_factor) where the kernel has it (softcap)
-    # and only dh is computed (a frozen W, as under LoRA); log_sum_sq needs the two-pass kernel.
+    # and only dh is computed (a frozen W, as under LoRA); log_sum_sq and the entropy need the running
+    # max, which the one-pass kernel does not keep (rows.py refuses the combination).
     row_factor = None
     if (
         shard is None
         and not want_log_sum_sq
+        and not want_entropy
         and grads is not None
         and grads.takes_row_factor
         and unnormalized_grad_applies(options, hidden.dtype, use_triton)

@@ -289,8 +289,9 @@ def _triton_chunk_stats(
     unnormalized = row_factor is not None
     if unnormalized and not (grad_scale is not None and unnormalized_grad_applies(transform, raw.dtype, True)):
         raise ValueError("chunk_stats: row_factor needs grad_scale and a case unnormalized_grad_applies to")
-    if unnormalized and want_log_sum_sq:
-        raise ValueError("chunk_stats: row_factor cannot be combined with log_sum_sq")
+    if unnormalized and (want_log_sum_sq or out.entropy is not None):
+        # both need the running max; the one-pass gradient is written on the bounded-exponent path only
+        raise ValueError("chunk_stats: row_factor cannot be combined with log_sum_sq or the entropy")
     block_v = min(_BLOCK_V_STATS, next_power_of_2(vocab_size))
     lane_group = 1 if use_fixed_max and grad_scale is not None else min(_LANE_GROUP, block_v)
     argmax = out.predicted is not None or out.is_top1 is not None  # is_top1 reads the argmax
