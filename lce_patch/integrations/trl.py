@@ -274,7 +274,7 @@ class _Install:
 
 def _op_kwargs(options: dict[str, Any]) -> dict[str, Any]:
     # the model-level loss options of the patched forward: TRL's losses are computed from its own forward
-    for name in ("class_weights", "return_lse", "return_token_accuracy"):
+    for name in ("class_weights", "return_lse", "return_token_accuracy", "return_predicted_tokens"):
         if options.get(name) is not None and options.get(name) is not False:
             raise ValueError(
                 f"lce_patch: option {name} cannot apply under TRL's fused LM head, whose loss the trainer computes "

@@ -20,7 +20,8 @@ loss-only evaluation steps). Every other call (no ``labels``, ``logits_to_keep``
 
 The loss options Hugging Face's loss lacks (``loss_options.py``): a call's ``token_weights`` (taken out of the
 call here, so the model never sees them) and the model's ``class_weights`` reach the op; ``return_lse`` and
-``return_token_accuracy`` add the op's ``lse`` and ``token_accuracy`` to the output. A call with labels that
+``return_token_accuracy`` and ``return_predicted_tokens`` add the op's ``lse``, ``token_accuracy`` and
+``predicted_tokens`` to the output. A call with labels that
 runs unfused while any of them is in effect computes that same loss from the logits (``LogitsLoss``).
 
 Where the fused loss cannot stand in for what the user set up on the model, a call runs the original,
@@ -104,8 +105,7 @@ class LossJob:
         self.ignore_index = call.get("ignore_index", options.ignore_index)
         self.num_items_in_batch = call.get("num_items_in_batch")
         self.loss: torch.Tensor | None = None
-        self.lse: torch.Tensor | None = None
-        self.token_accuracy: torch.Tensor | None = None
+        self.extras: dict[str, torch.Tensor] = {}  # the extra outputs the options ask for, by name
         self.returned = False
         self.read_valid_count = None
         if options.skip_ignored and not torch.compiler.is_compiling():
@@ -162,9 +162,16 @@ class LossJob:
             token_weights=token_weights,
             return_lse=options.return_lse,
             return_token_accuracy=options.return_token_accuracy,
+            return_predicted_tokens=options.return_predicted_tokens,
         )
         if options.returns_extras:
-            loss, self.lse, self.token_accuracy = loss.loss, loss.lse, loss.token_accuracy
+            self.extras = {name: getattr(loss, name) for name in options.extra_outputs}
+            if "predicted_tokens" in self.extras:  # an ignored position's argmax only where the op computed it
+                valid = targets[..., 1:] if shift else targets
+                valid = torch.nn.functional.pad(valid, (0, 1), value=self.ignore_index) if shift else valid
+                predicted = self.extras["predicted_tokens"]
+                self.extras["predicted_tokens"] = torch.where(valid != self.ignore_index, predicted, self.ignore_index)
+            loss = loss.loss
         self.loss = self._as_hugging_face(loss, targets, shift, num_valid_tokens)
         if self.want_logits:  # evaluation that keeps the logits: the head's real output, the loss still fused
             logits = _head_logits(hidden, weight, bias)
@@ -364,7 +371,7 @@ def make_forward(original: Any, head_config_of: Any) -> Any:
             raise _loss_outside_loss_function(self)
         outputs = outputs if job.want_logits else _without_stand_in(outputs)
         if options.returns_extras:
-            outputs = with_loss_outputs(outputs, job.lse, job.token_accuracy)
+            outputs = with_loss_outputs(outputs, job.extras)
         return outputs
 
     functools.update_wrapper(forward, original, updated=())
@@ -461,7 +468,7 @@ def _run_unfused(
     if not loss.called:
         raise _loss_outside_loss_function(model)
     if options.returns_extras:
-        outputs = with_loss_outputs(outputs, loss.lse, loss.token_accuracy)
+        outputs = with_loss_outputs(outputs, loss.extras)
     return outputs
 
 

@@ -23,7 +23,7 @@ from ..ops.core.backend import stats_dtype
 from ..ops.linear_cross_entropy.inputs import shift_labels
 from .options import LCEOptions
 
-EXTRA_OUTPUTS = ("lse", "token_accuracy")
+EXTRA_OUTPUTS = ("lse", "token_accuracy", "predicted_tokens")
 _LOCK = threading.Lock()
 
 
@@ -76,8 +76,7 @@ class LogitsLoss:
         self.token_weights = token_weights
         self.weighted = options.class_weights is not None or token_weights is not None
         self.called = False
-        self.lse: torch.Tensor | None = None
-        self.token_accuracy: torch.Tensor | None = None
+        self.extras: dict[str, torch.Tensor] = {}
 
     def __call__(self, function: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
         from transformers.loss.loss_utils import ForCausalLMLoss
@@ -92,7 +91,7 @@ class LogitsLoss:
         num_items = bound.get("num_items_in_batch", extra.get("num_items_in_batch"))
         self.called = True
         loss = None if self.weighted else function(*args, **kwargs)
-        weighted, self.lse, self.token_accuracy = loss_from_logits(
+        weighted, self.extras = loss_from_logits(
             logits,
             targets,
             shift,
@@ -116,12 +115,13 @@ def loss_from_logits(
     token_weights: torch.Tensor | None = None,
     loss: bool = True,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-    """(loss, lse, token_accuracy) from the final logits [..., V], as the fused op gives them.
+    """(loss, extra outputs) from the final logits [..., V], as the fused op gives them.
 
     ``targets``: labels of ``logits``' shape without V (shifted here when ``shift``); ``token_weights``: the
     targets' shape, each label's weight (shifted with it). loss: fp32 0-d, the options' weighted loss (``None``
-    unless ``loss``), NaN where Hugging Face's is (no valid label, ``num_items_in_batch`` 0). lse: per token,
-    targets' shape, 0 where ignored; token_accuracy: 0-d; each None unless the options ask for it; no gradient.
+    unless ``loss``), NaN where Hugging Face's is (no valid label, ``num_items_in_batch`` 0). The extra outputs
+    the options ask for (no gradient), by name: ``lse`` per token, targets' shape, 0 where ignored;
+    ``token_accuracy`` 0-d; ``predicted_tokens`` int64, targets' shape, ``ignore_index`` where ignored.
     """
     if shift:
         targets = shift_labels(targets, ignore_index)
@@ -133,7 +133,8 @@ def loss_from_logits(
     valid = labels != ignore_index
     safe = torch.where(valid, labels, 0)
     lse = torch.logsumexp(flat, -1)
-    result: list[torch.Tensor | None] = [None, None, None]
+    value = None
+    extras: dict[str, torch.Tensor] = {}
     if loss:
         log_probs = flat - lse.unsqueeze(-1)
         nll = -log_probs.gather(-1, safe.unsqueeze(-1)).squeeze(-1)
@@ -162,42 +163,44 @@ def loss_from_logits(
             denominator = count.to(flat.dtype) if label_weight is None else torch.where(valid, label_weight, 0).sum()
             undefined = count == 0
         value = total / torch.where(denominator == 0, 1.0, denominator)
-        result[0] = torch.where(undefined, torch.nan, value).float()
+        value = torch.where(undefined, torch.nan, value).float()
     with torch.no_grad():
         if options.return_lse:
-            result[1] = torch.where(valid, lse, 0.0).float().view(targets.shape)
+            extras["lse"] = torch.where(valid, lse, 0.0).float().view(targets.shape)
+        predicted = flat.argmax(-1)
         if options.return_token_accuracy:
-            hits = (flat.argmax(-1) == labels) & valid
-            result[2] = (hits.sum() / valid.sum().clamp(min=1)).float()
-    return result[0], result[1], result[2]
+            hits = (predicted == labels) & valid
+            extras["token_accuracy"] = (hits.sum() / valid.sum().clamp(min=1)).float()
+        if options.return_predicted_tokens:
+            extras["predicted_tokens"] = torch.where(valid, predicted, ignore_index).view(targets.shape)
+    return value, extras
 
 
 # --- The extra outputs on the model's output ------------------------------------------------------------------
 
 
-def with_loss_outputs(outputs: Any, lse: torch.Tensor | None, token_accuracy: torch.Tensor | None) -> Any:
-    """``outputs`` with ``lse`` and ``token_accuracy`` (those not None) added.
+def with_loss_outputs(outputs: Any, extras: dict[str, torch.Tensor | None]) -> Any:
+    """``outputs`` with the extra outputs ``extras`` (names of ``EXTRA_OUTPUTS``; those not None) added.
 
-    A ``ModelOutput`` becomes an instance of a subclass of its class with those two fields (attributes and keys,
-    ``isinstance`` of its class still true, picklable); a tuple (``return_dict=False``) gets them appended, in
-    that order, as the subclass's ``to_tuple()`` would; a plain dict gets the keys.
+    A ``ModelOutput`` becomes an instance of a subclass of its class with the fields of ``EXTRA_OUTPUTS``
+    (attributes and keys, ``isinstance`` of its class still true, picklable); a tuple (``return_dict=False``) gets
+    them appended, in ``EXTRA_OUTPUTS``' order, as the subclass's ``to_tuple()`` would; a plain dict gets the keys.
     """
     from transformers.utils import ModelOutput
 
+    values = {name: extras.get(name) for name in EXTRA_OUTPUTS}
     if isinstance(outputs, tuple):
-        return outputs + tuple(value for value in (lse, token_accuracy) if value is not None)
+        return outputs + tuple(value for value in values.values() if value is not None)
     if isinstance(outputs, ModelOutput) and dataclasses.is_dataclass(outputs):
         cls = _with_extra_fields(getattr(type(outputs), "__lce_patch_base__", type(outputs)))
         fields = {k: v for k, v in outputs.items() if k not in EXTRA_OUTPUTS}
-        return cls(**fields, lse=lse, token_accuracy=token_accuracy)
+        return cls(**fields, **values)
     if isinstance(outputs, dict):
-        for name, value in zip(EXTRA_OUTPUTS, (lse, token_accuracy), strict=True):
-            if value is not None:
-                outputs[name] = value
+        outputs.update({name: value for name, value in values.items() if value is not None})
         return outputs
     raise TypeError(
-        f"lce_patch: return_lse / return_token_accuracy attach to the model's output, which is a "
-        f"{type(outputs).__name__} here (expected a ModelOutput, a dict or a tuple)"
+        f"lce_patch: return_lse / return_token_accuracy / return_predicted_tokens attach to the model's output, "
+        f"which is a {type(outputs).__name__} here (expected a ModelOutput, a dict or a tuple)"
     )
 
 
@@ -207,8 +210,8 @@ def _reduce_with_extras(output: Any) -> tuple:
 
 
 def _rebuild_with_extras(base: type, items: dict[str, Any]) -> Any:
-    lse, token_accuracy = items.pop("lse", None), items.pop("token_accuracy", None)
-    return with_loss_outputs(base(**items), lse, token_accuracy)
+    extras = {name: items.pop(name, None) for name in EXTRA_OUTPUTS}
+    return with_loss_outputs(base(**items), extras)
 
 
 _EXTENDED: dict[type, type] = {}  # ModelOutput class -> its subclass with the extra fields
@@ -221,7 +224,7 @@ def _with_extra_fields(base: type) -> type:
 
 @torch.compiler.disable  # a class made while tracing is a graph break anyway; made once, then a dict hit
 def _make_extended(base: type) -> type:
-    """A dataclass subclass of the ModelOutput class ``base`` with the fields ``lse`` and ``token_accuracy``
+    """A dataclass subclass of the ModelOutput class ``base`` with the fields of ``EXTRA_OUTPUTS``
     (registered as a pytree node by transformers, as every ModelOutput class; pickled as ``base`` plus the
     values, since the class is made at run time)."""
     with _LOCK:

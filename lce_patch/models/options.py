@@ -104,8 +104,9 @@ class LCEOptions:
     """Options of a patched model (stored on the model instance, or on the class for a class patch).
 
     ``class_weights`` may be given as a [V] tensor (kept as a :class:`ClassWeights`). ``return_lse`` /
-    ``return_token_accuracy``: calls that compute a loss also return the per-token log-sum-exp / the token
-    accuracy on their output (``lse``, ``token_accuracy``).
+    ``return_token_accuracy`` / ``return_predicted_tokens``: calls that compute a loss also return the per-token
+    log-sum-exp / the token accuracy / the per-token argmax on their output (``lse``, ``token_accuracy``,
+    ``predicted_tokens``).
     """
 
     ignore_index: int = -100
@@ -123,6 +124,7 @@ class LCEOptions:
     class_weights: ClassWeights | None = None
     return_lse: bool = False
     return_token_accuracy: bool = False
+    return_predicted_tokens: bool = False
 
     def __post_init__(self) -> None:
         try:
@@ -137,6 +139,7 @@ class LCEOptions:
             )
             check_flag("return_lse", self.return_lse)
             check_flag("return_token_accuracy", self.return_token_accuracy)
+            check_flag("return_predicted_tokens", self.return_predicted_tokens)
         except ValueError as error:
             raise _as_ours(error) from None
         if self.class_weights is not None and not isinstance(self.class_weights, ClassWeights):
@@ -148,9 +151,15 @@ class LCEOptions:
             )
 
     @property
+    def extra_outputs(self) -> tuple[str, ...]:
+        """The outputs that calls computing a loss attach (of ``lse``, ``token_accuracy``, ``predicted_tokens``)."""
+        asked = (self.return_lse, self.return_token_accuracy, self.return_predicted_tokens)
+        return tuple(name for name, flag in zip(("lse", "token_accuracy", "predicted_tokens"), asked) if flag)
+
+    @property
     def returns_extras(self) -> bool:
-        """Whether calls that compute a loss attach ``lse`` or ``token_accuracy`` to their output."""
-        return self.return_lse or self.return_token_accuracy
+        """Whether calls that compute a loss attach any of the extra outputs."""
+        return bool(self.extra_outputs)
 
     @classmethod
     def from_kwargs(cls, options: dict[str, Any]) -> LCEOptions:

@@ -265,8 +265,9 @@ def apply_fused_lce(model_or_model_type: Any, **options: Any) -> Any:
     (evaluation with labels runs the model's own forward and returns the logits), ``allow_unregistered``
     (patch a model of an unregistered type after checking its fused loss and gradients against its own),
     ``class_weights`` (a [V] float tensor, finite and >= 0, V the LM head's out_features: each label's loss weight,
-    as ``torch.nn.CrossEntropyLoss(weight=)``), ``return_lse`` and ``return_token_accuracy`` (calls that compute a
-    loss also return ``lse``, per token, and ``token_accuracy``, 0-d, on their output). A call may pass
+    as ``torch.nn.CrossEntropyLoss(weight=)``), ``return_lse``, ``return_token_accuracy`` and
+    ``return_predicted_tokens`` (calls that compute a loss also return ``lse``, per token, ``token_accuracy``, 0-d,
+    and ``predicted_tokens``, each position's argmax, on their output). A call may pass
     ``token_weights`` (the labels' shape, each label's loss weight). Patching again replaces the options.
     """
     opts = LCEOptions.from_kwargs(options)
@@ -310,7 +311,13 @@ def apply_fused_lce(model_or_model_type: Any, **options: Any) -> Any:
     if newly_patched and not getattr(model, SPEC_ATTR).registered:
         # The check compares with the model's own loss, which has none of the options that change the loss.
         neutral = dataclasses.replace(
-            opts, label_smoothing=0.0, z_loss=0.0, class_weights=None, return_lse=False, return_token_accuracy=False
+            opts,
+            label_smoothing=0.0,
+            z_loss=0.0,
+            class_weights=None,
+            return_lse=False,
+            return_token_accuracy=False,
+            return_predicted_tokens=False,
         )
         setattr(model, OPTIONS_ATTR, neutral)
         try:

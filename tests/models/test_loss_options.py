@@ -29,7 +29,7 @@ from lce_patch.ops.core.backend import triton_usable
 from .tiny import VOCAB, assert_close, assert_grads_match, tiny_model
 
 BACKENDS = ["torch"] + (["triton"] if triton_usable(torch.device("cpu")) else [])
-LSE_AND_ACCURACY = dict(return_lse=True, return_token_accuracy=True)
+LSE_AND_ACCURACY = dict(return_lse=True, return_token_accuracy=True, return_predicted_tokens=True)
 
 
 def _batch(seed: int = 1) -> dict:
@@ -209,6 +209,7 @@ def test_unfused_call_computes_the_same_loss_from_the_logits():
     assert_close(unfused.loss, fused.loss, rel=1e-6, what="loss")
     assert_close(unfused.lse, fused.lse, rel=1e-6, what="lse")  # both fp32
     assert float(unfused.token_accuracy) == float(fused.token_accuracy)
+    assert torch.equal(unfused.predicted_tokens, fused.predicted_tokens)
     unfused.loss.backward()
     fused.loss.backward()
     assert_grads_match(model, fused_model, rel=1e-9)
@@ -263,6 +264,7 @@ def test_lse_and_token_accuracy_on_the_output(backend):
     valid = targets != -100
     expected_lse = torch.where(valid, torch.logsumexp(logits, -1), 0.0)
     expected_accuracy = ((logits.argmax(-1) == targets) & valid).sum() / valid.sum()
+    expected_predicted = torch.where(valid, logits.argmax(-1), -100)
     assert 0.3 < float(expected_accuracy) < 1.0
 
     model.train()
@@ -273,6 +275,7 @@ def test_lse_and_token_accuracy_on_the_output(backend):
     assert not out.lse.requires_grad and not out.token_accuracy.requires_grad
     assert_close(out.lse, expected_lse, rel=_tolerance(backend), what="lse")
     assert float(out.token_accuracy) == pytest.approx(float(expected_accuracy), abs=1e-7)
+    assert out.predicted_tokens.dtype == torch.int64 and torch.equal(out.predicted_tokens, expected_predicted)
     assert_close(out.loss, reference_loss(logits, labels), rel=1e-6, what="loss")
     # through the pytree round trip (DDP, FSDP, torch.compile) and pickling: the fields stay
     leaves, spec = pytree.tree_flatten(out)
@@ -280,7 +283,8 @@ def test_lse_and_token_accuracy_on_the_output(backend):
         assert type(copied) is type(out) and torch.equal(copied.lse, out.lse)
     # return_dict=False: appended, in the order the output's to_tuple() gives
     as_tuple = model(**batch, return_dict=False)
-    assert len(as_tuple) == len(out.to_tuple()) and torch.equal(as_tuple[-2], out.lse)
+    assert len(as_tuple) == len(out.to_tuple()) and torch.equal(as_tuple[-3], out.lse)
+    assert torch.equal(as_tuple[-1], out.predicted_tokens)
     # evaluation: the logits as well
     model.eval()
     with torch.no_grad():
@@ -288,6 +292,7 @@ def test_lse_and_token_accuracy_on_the_output(backend):
     assert_close(out.logits, logits, rel=1e-5, what="eval logits")
     assert_close(out["lse"], expected_lse, rel=_tolerance(backend), what="eval lse")
     assert float(out.token_accuracy) == pytest.approx(float(expected_accuracy), abs=1e-7)
+    assert torch.equal(out.predicted_tokens, expected_predicted)
     # no labels: no loss, nothing attached
     assert "lse" not in model(input_ids=batch["input_ids"]).keys()
 
@@ -395,19 +400,22 @@ def test_class_patch_with_class_weights():
 
 
 def test_trainer_and_trl_integrations():
-    """The callback keeps lse / token_accuracy out of the Trainer's predictions; TRL's fused head, whose loss
+    """The callback keeps lse / token_accuracy / predicted_tokens out of the Trainer's predictions; TRL's fused head, whose loss
     the patched forward does not compute, refuses the options."""
     from lce_patch.integrations.trainer import _ignoring_extra_outputs
     from lce_patch.integrations.trl import _op_kwargs
 
     config = types.SimpleNamespace(keys_to_ignore_at_inference=["past_key_values"])
     trainer = types.SimpleNamespace(model=types.SimpleNamespace(config=config))
-    assert _ignoring_extra_outputs(trainer, (), {}) == (
-        (),
-        {"ignore_keys": ["past_key_values", "lse", "token_accuracy"]},
-    )
-    assert _ignoring_extra_outputs(trainer, (["x"],), {}) == ((), {"ignore_keys": ["x", "lse", "token_accuracy"]})
-    for options in (dict(class_weights=torch.ones(VOCAB)), dict(return_lse=True), dict(return_token_accuracy=True)):
+    extras = ["lse", "token_accuracy", "predicted_tokens"]
+    assert _ignoring_extra_outputs(trainer, (), {}) == ((), {"ignore_keys": ["past_key_values", *extras]})
+    assert _ignoring_extra_outputs(trainer, (["x"],), {}) == ((), {"ignore_keys": ["x", *extras]})
+    for options in (
+        dict(class_weights=torch.ones(VOCAB)),
+        dict(return_lse=True),
+        dict(return_token_accuracy=True),
+        dict(return_predicted_tokens=True),
+    ):
         with pytest.raises(ValueError, match="cannot apply under TRL's fused LM head"):
             _op_kwargs(options)
     assert _op_kwargs(dict(backend="torch", return_lse=False)) == {"backend": "torch"}
