@@ -207,6 +207,32 @@ def test_fp32_logits_cut_the_bf16_gradient_error(beta, reduction, backend):
     assert sum(errors[True].values()) < 0.5 * sum(errors[False].values()), errors
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_fp32_logits_on_views_equal_the_contiguous_result(backend):
+    # bf16 (where the option acts): a transposed hidden, a transposed weight, a strided bias, an expanded teacher
+    problem = {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in make_problem(14, bias=True).items()}
+    problem = dict(zip(problem, on(backend, *problem.values())))
+
+    def run_on(inputs):
+        leaves = {k: v.detach().requires_grad_(k in ("hidden", "weight", "bias")) for k, v in inputs.items()}
+        loss = fused_linear_divergence(
+            **leaves, beta=0.5, backend=backend, chunk_size=4, fp32_logits=True, fp32_weight_grad=True
+        )
+        loss.backward()
+        return [loss.float()] + [leaves[k].grad.float() for k in ("hidden", "weight", "bias")]
+
+    viewed = dict(
+        problem,
+        hidden=problem["hidden"].T.contiguous().T,
+        weight=problem["weight"].T.contiguous().T,
+        bias=torch.stack([problem["bias"], problem["bias"]], dim=1)[:, 0],
+        teacher_hidden=problem["teacher_hidden"][:1].expand(N, D_TEACHER),
+    )
+    reference = dict(problem, teacher_hidden=viewed["teacher_hidden"].contiguous())
+    for got, want in zip(run_on(viewed), run_on(reference), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-4)
+
+
 @pytest.mark.parametrize("beta", BETAS)
 def test_equals_trl_generalized_jsd_loss(beta):
     gkd = pytest.importorskip("trl.experimental.gkd.gkd_trainer")

@@ -240,6 +240,35 @@ def test_fp32_logits_cut_the_bf16_gradient_error(beta, reduction, backend):
     assert sum(errors[True].values()) < 0.5 * sum(errors[False].values()), errors
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_fp32_logits_on_views_equal_the_contiguous_result(backend):
+    # bf16 (where the option acts): a transposed hidden and weight, a strided bias, transposed candidate tensors
+    # (the kernels do no tl.dot, so bf16 is right in the CPU interpreter too)
+    problem = make_problem(15, bias=True)
+    problem = {k: v.to(torch.bfloat16) if k in ("hidden", "weight", "bias") else v for k, v in problem.items()}
+    problem = dict(zip(problem, on(backend, *problem.values())))
+
+    def run_on(inputs):
+        leaves = {k: v.detach().requires_grad_(k in ("hidden", "weight", "bias")) for k, v in inputs.items()}
+        loss = fused_linear_sparse_divergence(
+            **leaves, beta=0.5, add_tail_bucket=True, backend=backend, chunk_size=4, fp32_logits=True,
+            fp32_weight_grad=True,
+        )  # fmt: skip
+        loss.backward()
+        return [loss.float()] + [leaves[k].grad.float() for k in ("hidden", "weight", "bias")]
+
+    viewed = dict(
+        problem,
+        hidden=problem["hidden"].T.contiguous().T,
+        weight=problem["weight"].T.contiguous().T,
+        bias=torch.stack([problem["bias"], problem["bias"]], dim=1)[:, 0],
+        candidate_ids=problem["candidate_ids"].T.contiguous().T,
+        teacher_logprobs=problem["teacher_logprobs"].T.contiguous().T,
+    )
+    for got, want in zip(run_on(viewed), run_on(problem), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-4)
+
+
 def _trl_inputs(problem: dict) -> dict:
     """TRL's trainer passes only positions with a candidate (``has_teacher_signal``); its log-probabilities at
     padded slots are replaced by -inf inside."""
