@@ -167,7 +167,8 @@ def loss_from_logits(
     with torch.no_grad():
         if options.return_lse:
             extras["lse"] = torch.where(valid, lse, 0.0).float().view(targets.shape)
-        predicted = flat.argmax(-1)
+        if options.return_token_accuracy or options.return_predicted_tokens:
+            predicted = flat.argmax(-1)
         if options.return_token_accuracy:
             hits = (predicted == labels) & valid
             extras["token_accuracy"] = (hits.sum() / valid.sum().clamp(min=1)).float()

@@ -14,6 +14,7 @@ from lce_patch import fused_linear_divergence
 from lce_patch.ops.linear_divergence import naive_linear_divergence
 
 from .devices import BACKENDS, CPU, TRITON_DEVICE, device_of, on
+from .test_linear_cross_entropy import rel_err
 
 BETAS = [0.0, 0.3, 0.5, 1.0]
 N, D, D_TEACHER, V = 13, 16, 24, 37
@@ -160,10 +161,6 @@ def test_low_precision_inputs_against_float64_of_the_same_inputs(dtype, beta, ba
     assert_matches(fused, reference, rtol=tol, atol=tol)
 
 
-def relative_error(value: torch.Tensor, reference: torch.Tensor) -> float:
-    return float((value.cpu().double() - reference).norm() / reference.norm())
-
-
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize(("beta", "reduction"), [(0.0, "mean"), (0.5, "none"), (1.0, "mean")])
 def test_fp32_logits_cut_the_bf16_gradient_error(beta, reduction, backend):
@@ -199,8 +196,8 @@ def test_fp32_logits_cut_the_bf16_gradient_error(beta, reduction, backend):
             **options,
         )
         assert all(grad.dtype == torch.bfloat16 for grad in fused[2].values())
-        errors[precise] = {name: relative_error(fused[2][name], reference[2][name]) for name in fused[2]}
-        loss_error = relative_error(fused[0], reference[0])
+        errors[precise] = {name: rel_err(fused[2][name], reference[2][name]) for name in fused[2]}
+        loss_error = rel_err(fused[0], reference[0])
         assert loss_error < (5e-3 if not precise else 1e-5), loss_error
     assert all(error < 6e-3 for error in errors[True].values()), errors
     # dbias is a sum over rows rounded once to bf16 (2^-9): its share of the gain is smaller

@@ -20,6 +20,7 @@ from lce_patch import fused_linear_sparse_divergence
 from lce_patch.ops.linear_sparse_divergence import naive_linear_sparse_divergence
 
 from .devices import BACKENDS, CPU, TRITON_BF16, TRITON_DEVICE, device_of, on
+from .test_linear_cross_entropy import rel_err
 
 REPO = Path(__file__).resolve().parents[2]
 BETAS = [0.0, 0.5, 1.0]
@@ -193,10 +194,6 @@ def test_low_precision_inputs_against_float64_of_the_same_inputs(dtype, beta, ba
     assert_matches(fused, reference, rtol=tol, atol=tol)
 
 
-def relative_error(value: torch.Tensor, reference: torch.Tensor) -> float:
-    return float((value.cpu().double() - reference).norm() / reference.norm())
-
-
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize(("beta", "reduction"), [(0.0, "mean"), (0.5, "none"), (1.0, "mean")])
 def test_fp32_logits_cut_the_bf16_gradient_error(beta, reduction, backend):
@@ -235,7 +232,7 @@ def test_fp32_logits_cut_the_bf16_gradient_error(beta, reduction, backend):
             **options,
         )
         assert all(grad.dtype == torch.bfloat16 for grad in fused[2].values())
-        errors[precise] = {name: relative_error(fused[2][name], reference[2][name]) for name in fused[2]}
+        errors[precise] = {name: rel_err(fused[2][name], reference[2][name]) for name in fused[2]}
     assert all(error < 6e-3 for error in errors[True].values()), errors
     assert sum(errors[True].values()) < 0.5 * sum(errors[False].values()), errors
 

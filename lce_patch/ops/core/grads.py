@@ -78,11 +78,9 @@ def addmm_fp32(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
 
 def mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``a @ b`` as fp32, accumulated in fp32 and not rounded to the inputs' dtype."""
-    if a.dtype == torch.float32:
-        return torch.mm(a, b)
-    if a.device.type == "cuda":
-        return torch.mm(a, b, out_dtype=torch.float32)
-    return torch.mm(a.float(), b.float())  # the CPU interpreter's tests: no fp32-output GEMM there
+    out = torch.empty(a.shape[0], b.shape[1], dtype=torch.float32, device=a.device)
+    mm_fp32_into(out, a, b)
+    return out
 
 
 def mm_fp32_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
