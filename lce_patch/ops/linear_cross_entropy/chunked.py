@@ -255,7 +255,7 @@ def _chunked_forward(
     )
     reduce_scale = _reduce_scale(options.reduction, valid.sum(), num_items, acc_dtype, weight_sum)
     if shard is not None:  # from here on, labels are ids of the local shard (vocab_parallel.py)
-        labels = shard_labels(labels, shard, vocab_size, options.ignore_index)
+        labels = shard_labels(labels, shard, vocab_size, options.ignore_index, use_triton)
 
     total_rows = hidden.shape[0]
     num_rows = total_rows if row_index is None else row_index.shape[0]

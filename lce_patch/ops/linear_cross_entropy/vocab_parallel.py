@@ -21,6 +21,11 @@ its buffer with its columns of the logits gradient (``eps / V`` over the whole v
 its dW (and dbias) shard from them, and its part ``G_r @ W_r`` of dh; one all-reduce over the group
 sums dh's parts, so every rank gets the full gradient of its (replicated) hidden states.
 
+On the Triton path the label mapping, the packing of the block and the merge are one kernel launch each
+(vocab_parallel_kernels.py) and the exchange one ``all_gather_into_tensor`` into a preallocated buffer:
+each rank's GEMMs shrink with the group while this bookkeeping does not, and written as torch
+operations it kept the host, not the GPU, busy (about 25 launches per chunk).
+
 No rank holds more than its ``[C, V_r]`` buffer of logits or more than its weight shard; the
 unfused tensor-parallel head instead gathers the whole ``[N, V]`` logits on every rank. FLOPs per rank:
 6 * N * V_r * D for a scalar loss (the gradient computed in the forward, as on one GPU), 8 for
@@ -133,10 +138,24 @@ def unwrap_dtensors(
     return hidden, weight.to_local(), bias, labels, shard
 
 
-def shard_labels(labels: torch.Tensor, shard: VocabShard, local_vocab: int, ignore_index: int) -> torch.Tensor:
+def shard_labels(
+    labels: torch.Tensor, shard: VocabShard, local_vocab: int, ignore_index: int, use_triton: bool
+) -> torch.Tensor:
     """Labels as ids of the local shard: ``label - start`` where the shard owns it, ``ignore_index`` where
     ignored, and an out-of-range id that is not ``ignore_index`` (a valid row without a target here)."""
     not_owned = -1 if ignore_index != -1 else -2
+    if use_triton:
+        import triton
+
+        from .vocab_parallel_kernels import shard_labels_kernel
+
+        out = torch.empty_like(labels)
+        n = labels.numel()
+        block = 1024
+        shard_labels_kernel[(triton.cdiv(n, block),)](
+            labels, out, n, shard.start, local_vocab, ignore_index, not_owned, BLOCK=block
+        )
+        return out
     local = labels - shard.start
     owned = (local >= 0) & (local < local_vocab)
     return torch.where(labels == ignore_index, ignore_index, torch.where(owned, local, not_owned))
@@ -148,6 +167,12 @@ def all_reduce_sum(tensor: torch.Tensor, shard: VocabShard) -> None:
     dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=shard.group)
 
 
+# Rows of the exchanged block (fp32; fp64 for fp64 inputs): local lse of the buffer, local lse with the exact
+# target swapped in, the target's final logit (0 where not owned), the sum of the final logits (label
+# smoothing). vocab_parallel_kernels.py numbers them the same.
+LSE_ROW, LOSS_LSE_ROW, TARGET_ROW, SUM_Z_ROW = range(4)
+
+
 class ShardRowPass:
     """The row pass of one vocabulary shard: local statistics, their exchange, the merged loss and lse,
     and this shard's columns of the gradient (see the module's design note).
@@ -155,20 +180,23 @@ class ShardRowPass:
     ``transform.vocab_size`` is the whole vocabulary's size. One instance serves every chunk of a call.
     """
 
-    # Rows of the exchanged block (fp32; fp64 for fp64 inputs): local lse of the buffer, local lse with
-    # the exact target swapped in, the target's final logit (0 where not owned), the sum of the final
-    # logits (label smoothing).
-    _LSE, _LOSS_LSE, _TARGET, _SUM_Z = range(4)
-
     def __init__(
         self, shard: VocabShard, transform: LogitTransform, max_rows: int, use_triton: bool, dtype, device
     ) -> None:
+        import torch.distributed as dist
+
         self.shard = shard
         self.transform = transform
         self.use_triton = use_triton
         # Statistics of the shard alone: no smoothing or z-loss, which need the merged values.
         self.local_transform = dataclasses.replace(transform, label_smoothing=0.0, z_loss=0.0, vocab_size=None)
-        self.local = torch.zeros(4, max_rows, dtype=stats_dtype(dtype), device=device)
+        self.world = dist.get_world_size(shard.group)
+        acc_dtype = stats_dtype(dtype)
+        # Flat, so that a chunk's [4, C] block and the gathered [R, 4, C] are contiguous for any C.
+        self.block = torch.zeros(4 * max_rows, dtype=acc_dtype, device=device)
+        self.gathered = torch.empty(self.world * 4 * max_rows, dtype=acc_dtype, device=device)
+        # One launch per step instead of a dozen torch operations (vocab_parallel_kernels.py); fp32 statistics.
+        self.fused = use_triton and acc_dtype == torch.float32
         self.grad_rows = None
 
     def run(
@@ -183,40 +211,98 @@ class ShardRowPass:
         with ``grad_scale`` (0-d, the reduction factor) overwrite ``raw`` [C, V_r] with this shard's
         columns of the gradient. ``labels``: the chunk's labels as shard ids (:func:`shard_labels`);
         ``target_raw``: their fp32 raw target logits (0 where not owned, from ``target_logits``)."""
-        import torch.distributed as dist
-
         rows, local_vocab = raw.shape
-        local = self.local[:, :rows]
+        block = self.block[: 4 * rows].view(4, rows)
         smoothing = self.transform.label_smoothing != 0.0
         part = RowOutputs(
-            loss=local[self._LOSS_LSE], lse=local[self._LSE], mean_logit=local[self._SUM_Z] if smoothing else None
+            loss=block[LOSS_LSE_ROW], lse=block[LSE_ROW], mean_logit=block[SUM_Z_ROW] if smoothing else None
         )
         chunk_stats(raw, labels, self.local_transform, part, None, self.use_triton, target_raw)
-        owned = (labels >= 0) & (labels < local_vocab)
-        exact_z = torch.where(owned, final_logits(target_raw, self.transform)[0].to(local.dtype), 0.0)
-        # Without smoothing or z-loss the local loss is (lse with the exact target swapped in) - z_y, and
-        # z_y = 0 where the shard does not own the label: adding z_y back gives that lse.
-        local[self._LOSS_LSE] += exact_z
-        local[self._TARGET] = exact_z
-        if smoothing:
-            local[self._SUM_Z] *= local_vocab  # the kernel's mean over the shard -> its sum
-        world = dist.get_world_size(self.shard.group)
-        parts = [torch.empty_like(local) for _ in range(world)]
-        dist.all_gather(parts, local.contiguous(), group=self.shard.group)
-        merged = torch.stack(parts)  # [R, 4, C]
-        lse = torch.logsumexp(merged[:, self._LSE], dim=0)
-        loss_lse = torch.logsumexp(merged[:, self._LOSS_LSE], dim=0)
-        target_z = merged[:, self._TARGET].sum(dim=0)
-        eps = self.transform.label_smoothing
-        loss = loss_lse - (1.0 - eps) * target_z
-        if smoothing:
-            loss = loss - eps * merged[:, self._SUM_Z].sum(dim=0) / self.transform.vocab_size
-        if self.transform.z_loss:
-            loss = loss + self.transform.z_loss * loss_lse * loss_lse
-        valid = labels != self.transform.ignore_index
-        out.loss.copy_(torch.where(valid, loss, 0.0))
-        out.lse.copy_(lse)
+        gathered = self.gathered[: self.world * 4 * rows]
+        pack_block(block, labels, target_raw, local_vocab, self.transform, self.fused)
+        _all_gather_flat(gathered, block.view(-1), self.shard.group)
+        merge_blocks(gathered.view(self.world, 4, rows), labels, out.loss, out.lse, self.transform, self.fused)
         if grad_scale is not None:
             if self.grad_rows is None:  # the reduction factor per row, as the grad kernel reads it
-                self.grad_rows = grad_scale.to(local.dtype).expand(self.local.shape[1]).contiguous()
+                self.grad_rows = grad_scale.to(self.block.dtype).expand(self.block.shape[0] // 4).contiguous()
             chunk_grad(raw, labels, self.transform, out.lse, None, self.grad_rows[:rows], None, self.use_triton)
+
+
+def pack_block(
+    block: torch.Tensor,
+    labels: torch.Tensor,
+    target_raw: torch.Tensor,
+    local_vocab: int,
+    transform: LogitTransform,
+    fused: bool,
+) -> None:
+    """Turn the statistics kernel's local rows of ``block`` [4, C] (fp32, contiguous; see
+    :class:`ShardRowPass`) into the rows every rank exchanges, in place. ``labels`` [C]: shard ids;
+    ``target_raw`` [C] fp32: raw target logits. ``fused``: one Triton launch (CUDA, fp32)."""
+    smoothing = transform.label_smoothing != 0.0
+    if fused:
+        import triton
+
+        from .vocab_parallel_kernels import shard_pack_kernel
+
+        rows = block.shape[1]
+        shard_pack_kernel[(triton.cdiv(rows, _ROW_BLOCK),)](
+            block, labels, target_raw, rows, local_vocab, float(transform.logit_scale),
+            float(transform.softcap or 1.0), 1.0 / transform.temperature, HAS_SOFTCAP=transform.softcap is not None,
+            SMOOTHING=smoothing, BLOCK=_ROW_BLOCK,
+        )  # fmt: skip
+        return
+    owned = (labels >= 0) & (labels < local_vocab)
+    exact_z = torch.where(owned, final_logits(target_raw, transform)[0].to(block.dtype), 0.0)
+    # Without smoothing or z-loss the local loss is (lse with the exact target swapped in) - z_y, and
+    # z_y = 0 where the shard does not own the label: adding z_y back gives that lse.
+    block[LOSS_LSE_ROW] += exact_z
+    block[TARGET_ROW] = exact_z
+    if smoothing:
+        block[SUM_Z_ROW] *= local_vocab  # the kernel's mean over the shard -> its sum
+
+
+def merge_blocks(
+    merged: torch.Tensor,
+    labels: torch.Tensor,
+    loss: torch.Tensor,
+    lse: torch.Tensor,
+    transform: LogitTransform,
+    fused: bool,
+) -> None:
+    """Write the whole vocabulary's ``loss`` and ``lse`` [C] (fp32; loss 0 where ignored) from ``merged``
+    [R, 4, C] (contiguous: every rank's block, in rank order). ``fused``: one Triton launch (CUDA, fp32)."""
+    smoothing = transform.label_smoothing != 0.0
+    world, _, rows = merged.shape
+    if fused:
+        import triton
+
+        from .vocab_parallel_kernels import shard_merge_kernel
+
+        shard_merge_kernel[(triton.cdiv(rows, _ROW_BLOCK),)](
+            merged, labels, loss, lse, rows, world, transform.ignore_index, float(transform.label_smoothing),
+            1.0 / transform.vocab_size, float(transform.z_loss), SMOOTHING=smoothing, Z_LOSS=transform.z_loss != 0.0,
+            BLOCK=_ROW_BLOCK,
+        )  # fmt: skip
+        return
+    loss_lse = torch.logsumexp(merged[:, LOSS_LSE_ROW], dim=0)
+    eps = transform.label_smoothing
+    merged_loss = loss_lse - (1.0 - eps) * merged[:, TARGET_ROW].sum(dim=0)
+    if smoothing:
+        merged_loss = merged_loss - eps * merged[:, SUM_Z_ROW].sum(dim=0) / transform.vocab_size
+    if transform.z_loss:
+        merged_loss = merged_loss + transform.z_loss * loss_lse * loss_lse
+    loss.copy_(torch.where(labels != transform.ignore_index, merged_loss, 0.0))
+    lse.copy_(torch.logsumexp(merged[:, LSE_ROW], dim=0))
+
+
+_ROW_BLOCK = 512
+
+
+def _all_gather_flat(output: torch.Tensor, block: torch.Tensor, group: Any) -> None:
+    """Every rank's ``block`` (flat, contiguous) concatenated in rank order into ``output``: one collective,
+    no list of buffers to stack."""
+    import torch.distributed as dist
+
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in torch 2.13
+    gather(output, block, group=group)
