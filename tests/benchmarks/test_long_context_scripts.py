@@ -51,3 +51,17 @@ def test_cp_check_ulysses_on_cpu(arch, extra, tmp_path):
     assert "FAIL" not in result.stdout
     report = json.loads((tmp_path / f"cp_check_sp_{arch}_{label}_w2.json").read_text())
     assert report["ok"]
+
+
+def test_long_context_cpu_smoke(tmp_path):
+    # The search on a tiny model: doubling, then bisecting below a simulated memory limit, each trial's out of
+    # memory caught; then tokens/s at the common length.
+    args = ["benchmarks/long_context.py", "--cpu", "--setups", "unpatched,lce_patch", "--fake-memory-limit", "300"]
+    result = _run([*args, "--out", str(tmp_path / "lc.json")], tmp_path, timeout=300)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
+    report = json.loads((tmp_path / "lc.json").read_text())
+    for setup in ("unpatched", "lce_patch"):
+        found = report["results"]["tiny"][setup]
+        assert found["longest"] == 256
+        assert not found["trials"]["384"]["ok"] and found["trials"]["384"]["error"] == "out of memory"
+        assert report["throughput"]["tiny"][setup]["tokens_per_s"] > 0
