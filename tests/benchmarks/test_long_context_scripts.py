@@ -1,0 +1,67 @@
+"""The long-sequence scripts run: benchmarks/checks/cp_check.py (Ulysses through the Trainer on two CPU processes)
+and benchmarks/long_context.py (its CPU smoke mode). Their real runs need GPUs (docs/long-context.md)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+REPO = BENCHMARKS.parent
+# DeepSpeed apart from the test environment (.ci/run installs it there), as for the ZeRO checks
+DEEPSPEED_SITE = Path(os.environ.get("LCE_TEST_DEEPSPEED_SITE", REPO / ".ci-deps" / "deepspeed"))
+
+
+def _run(args: list[str], tmp_path: Path, timeout: int = 600, env_extra: dict[str, str] | None = None):
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OUT": str(tmp_path), **(env_extra or {})}
+    env.pop("TRITON_INTERPRET", None)  # CPU runs take the torch backend, as a user's would
+    return subprocess.run([sys.executable, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.parametrize("script", ["benchmarks/checks/cp_check.py", "benchmarks/long_context.py"])
+def test_help(script, tmp_path):
+    result = _run([script, "--help"], tmp_path, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "usage:" in result.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    not (DEEPSPEED_SITE / "deepspeed").is_dir(),
+    reason=f"DeepSpeed not installed in {DEEPSPEED_SITE} (.ci/run installs it there)",
+)
+@pytest.mark.parametrize("arch,extra", [("llama", []), ("gemma3", []), ("llama", ["--unpatched"])])
+def test_cp_check_ulysses_on_cpu(arch, extra, tmp_path):
+    # Two processes over gloo with DeepSpeed's CPU accelerator, through the Trainer (+ FusedLCECallback): per-step
+    # losses and updates equal one process on the whole sequences, every shifted label scored once across the two
+    # slices, rank 0 holding no valid label at the second step.
+    config = REPO / "recipes" / "accelerate" / "ulysses.yaml"
+    args = ["-m", "accelerate.commands.launch", "--config_file", str(config), "benchmarks/checks/cp_check.py"]
+    args += ["--cpu", "--arch", arch, *extra]
+    env_extra = {"PYTHONPATH": f"{REPO}{os.pathsep}{DEEPSPEED_SITE}", "DS_ACCELERATOR": "cpu"}
+    result = _run(args, tmp_path, env_extra=env_extra)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
+    label = "unpatched" if extra else "patched"
+    assert f"PASS cp_check sp {arch} {label} world_size=2" in result.stdout
+    assert "FAIL" not in result.stdout
+    report = json.loads((tmp_path / f"cp_check_sp_{arch}_{label}_w2.json").read_text())
+    assert report["ok"]
+
+
+def test_long_context_cpu_smoke(tmp_path):
+    # The search on a tiny model: doubling, then bisecting below a simulated memory limit, each trial's out of
+    # memory caught; then tokens/s at the common length.
+    args = ["benchmarks/long_context.py", "--cpu", "--setups", "unpatched,lce_patch", "--fake-memory-limit", "300"]
+    result = _run([*args, "--out", str(tmp_path / "lc.json")], tmp_path, timeout=300)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
+    report = json.loads((tmp_path / "lc.json").read_text())
+    for setup in ("unpatched", "lce_patch"):
+        found = report["results"]["tiny"][setup]
+        assert found["longest"] == 256
+        assert not found["trials"]["384"]["ok"] and found["trials"]["384"]["error"] == "out of memory"
+        assert report["throughput"]["tiny"][setup]["tokens_per_s"] > 0
