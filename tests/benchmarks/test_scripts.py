@@ -69,6 +69,19 @@ def test_multi_gpu_check_single_process(tmp_path):
 
 
 @pytest.mark.slow
+def test_multi_gpu_check_fsdp2_compiled_on_cpu(tmp_path):
+    # A compiled patched model under FSDP2 (accelerate's fully_shard, forced onto gloo): losses, parameters and
+    # updates equal to one process, the whole head inside lm_head's call; aot_eager (no C++ compiler needed).
+    config = BENCHMARKS.parent / "recipes" / "accelerate" / "fsdp2.yaml"
+    args = ["-m", "accelerate.commands.launch", "--config_file", str(config), "checks/multi_gpu_check.py"]
+    args += ["--cpu-fsdp", "--compile", "aot_eager", "--steps", "2", "--seq-len", "32", "--hidden", "64"]
+    result = _run([*args, "--vocab", "512"], tmp_path, env_extra={"ACCELERATE_USE_CPU": "true"})
+    assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
+    assert "PASS multi_gpu_check llama FSDP2 world_size=2 compile=aot_eager" in result.stdout
+    assert "PASS rank1 compiled" in result.stdout and "FAIL" not in result.stdout
+
+
+@pytest.mark.slow
 @pytest.mark.skipif(
     not (DEEPSPEED_SITE / "deepspeed").is_dir(),
     reason=f"DeepSpeed not installed in {DEEPSPEED_SITE} (.ci/run installs it there)",
