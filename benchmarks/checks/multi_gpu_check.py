@@ -6,7 +6,9 @@ Run through accelerate on two GPUs (from the repository root; keep NVLink multic
         benchmarks/checks/multi_gpu_check.py [--arch llama|gemma2] [--steps 3]
     (likewise recipes/accelerate/fsdp2.yaml and recipes/accelerate/fsdp1.yaml)
 
-or on CPU through gloo, to debug:  accelerate launch --cpu --num_processes 2 benchmarks/checks/multi_gpu_check.py,
+``--compile inductor`` runs the prepared (wrapped) patched model under torch.compile (graphs and graph breaks
+are recorded; the check's own op counter reads a norm on the host, a break of its own). Or on CPU through
+gloo, to debug:  accelerate launch --cpu --num_processes 2 benchmarks/checks/multi_gpu_check.py,
 or as one plain process (``python benchmarks/checks/multi_gpu_check.py``): then it only compares the patched model
 with the unpatched one, single-process.
 
@@ -134,6 +136,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="none",
         help="negative control, must FAIL on 2+ processes: local-mean = each rank's own token mean "
         "(num_items_in_batch=None); no-world-scale = backward of the local loss without the x world_size",
+    )
+    parser.add_argument(
+        "--compile",
+        default="none",
+        help="torch.compile the prepared (wrapped) patched model with this backend (inductor on GPUs; aot_eager "
+        "to debug on CPU); none: eager",
     )
     parser.add_argument(
         "--out",
@@ -408,10 +416,13 @@ def run_distributed(accelerator, base, batches, args) -> dict[str, Any]:
     patched_after_prepare = bool(is_patched(accelerator.unwrap_model(model)))
     per_rank = args.batch // world
     rows = slice(rank * per_rank, (rank + 1) * per_rank)
+    # Compiled: the wrapped model's forward (FSDP2's hooks, the patched forward, the head) under torch.compile;
+    # the state is still read from the model itself.
+    forward = model if args.compile == "none" else torch.compile(model, backend=args.compile)
     CALLS.clear()
     losses, local_losses, logits_none = [], [], []
     for ids, labels, n_items in batches:
-        out = model(
+        out = forward(
             input_ids=ids[rows].to(device),
             labels=labels[rows].to(device),
             # the global count, as Trainer gathers it
@@ -441,6 +452,11 @@ def run_distributed(accelerator, base, batches, args) -> dict[str, Any]:
         "inner_class": type(accelerator.unwrap_model(model)).__name__,
         "lm_head_class": type(accelerator.unwrap_model(model).get_output_embeddings()).__name__,
     }
+    if args.compile != "none":  # what dynamo made of it: graphs compiled, and why it broke them
+        from torch._dynamo.utils import counters
+
+        mine["compiled_graphs"] = int(counters["stats"]["unique_graphs"])
+        mine["graph_breaks"] = {str(reason)[:200]: int(n) for reason, n in counters["graph_break"].items()}
     gathered = [mine]
     if world > 1:
         gathered = [None] * world
@@ -559,6 +575,13 @@ def main(argv: list[str] | None = None) -> int:
             )
             check(f"rank{r} logits None", all(info["logits_none"]), f"outputs.logits is None: {info['logits_none']}")
             check(f"rank{r} is_patched", info["patched_after_prepare"], f"after prepare ({info['model_class']})")
+            if args.compile != "none":
+                breaks = info["graph_breaks"]
+                check(
+                    f"rank{r} compiled",
+                    info["compiled_graphs"] >= 1,
+                    f"{info['compiled_graphs']} graphs, {sum(breaks.values())} graph breaks: {sorted(breaks)[:4]}",
+                )
             fraction = info["local_param_fraction"]
             if mode["mode"].startswith("FSDP"):
                 check(
@@ -623,7 +646,8 @@ def main(argv: list[str] | None = None) -> int:
         print("=" * 100)
         print(
             f"multi_gpu_check  arch={args.arch}  mode={mode['mode']}  world_size={world}  inject={args.inject}  "
-            f"backend={mode.get('backend', '-')}  device={mode['device']}  lce_patch backend={args.backend}"
+            f"backend={mode.get('backend', '-')}  device={mode['device']}  lce_patch backend={args.backend}  "
+            f"compile={args.compile}"
         )
         print(
             f"model: {dist['ranks'][0]['model_class']} around {dist['ranks'][0]['inner_class']}, lm_head "
@@ -659,7 +683,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{'PASS' if c['ok'] else 'FAIL'} {c['name']}: {c['detail']}")
         print(
             f"{'PASS' if ok else 'FAIL'} multi_gpu_check {args.arch} {mode['mode']} world_size={world} "
-            f"(reference {t_ref:.1f}s, distributed {t_dist:.1f}s)"
+            + ("" if args.compile == "none" else f"compile={args.compile} ")
+            + f"(reference {t_ref:.1f}s, distributed {t_dist:.1f}s)"
         )
         print("=" * 100, flush=True)
 
@@ -692,6 +717,7 @@ def main(argv: list[str] | None = None) -> int:
             pass
         out = Path(args.out)
         suffix = "" if args.inject == "none" else f"_{args.inject}"
+        suffix += "" if args.compile == "none" else f"_compile-{args.compile}"
         path = (
             out if out.suffix == ".json" else out / f"multi_gpu_check_{mode['mode'].lower()}_{args.arch}{suffix}.json"
         )

@@ -11,9 +11,23 @@ in bf16 on the Triton kernels; its loss, dh and dW shard are compared with the s
 weight in one process (and the loss with an fp32 unfused reference).
 
 ``--part model``: a model of the chosen shape (random weights, bf16, ``--layers`` decoder layers) saved
-once and loaded by every rank with ``tp_plan="auto"`` (the LM head vocab-sharded), then one training
-step (forward + backward) unpatched and patched on the same batch: losses and every gradient compared
-(bf16 noise), per-rank peak memory above the model and median step time. Needs one GPU per rank.
+once and loaded by every rank through transformers' distributed API, then training steps (forward +
+backward) unpatched and patched on the same batch: losses and every gradient compared (bf16 noise), the
+loss also against one process on the whole model and batch, per-rank peak memory above the model and the
+step time. The loading (``--api``):
+
+  * ``distributed_config`` (the default where transformers has it, 5.24 and later):
+    ``from_pretrained(..., distributed_config=DistributedConfig(tp_size=T, fsdp_size=F))`` with
+    ``T = world / F`` (``--fsdp-size F``, default 1): tensor parallelism (F=1), TP x FSDP2 (both > 1), or
+    FSDP2 alone (``--fsdp-size`` = the world size). Each FSDP rank takes its own rows of the global batch
+    (``--tokens`` per FSDP rank, the same on the ranks of one TP group).
+  * ``tp_plan``: ``from_pretrained(..., tp_plan="auto")``, the older spelling (tensor parallelism only).
+
+Timing: ``--warmup`` steps (default 3; compilation and autotuning stay out of the timed steps), then
+``--steps`` timed steps (default 20), each bracketed by device synchronisations; the median, min, p10,
+p90 and max per variant and rank. ``--tokens`` takes several counts (``--sweep``: 4096 8192 16384 32768),
+run one after the other on the same loaded model. ``--profile DIR`` writes a torch.profiler trace (Chrome
+JSON) and a ``key_averages`` table of one unpatched and one patched step at the first token count, on rank 0.
 
 ``--same-device`` puts every rank on cuda:0 with the gloo backend: a check of the values on one GPU
 (its times and memory mean nothing). ``--cpu`` runs both parts on a tiny shape in fp32 on CPU processes over
@@ -25,6 +39,10 @@ Rank 0 prints a table and writes JSON to ``--out`` (default ``$OUT`` or runs/tp_
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import datetime
+import functools
+import inspect
 import json
 import os
 import platform
@@ -32,6 +50,7 @@ import statistics
 import sys
 import tempfile
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -42,9 +61,10 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))  # bench_common, in benchmarks/
 
-from bench_common import rel_err, rel_l2  # noqa: E402
+from bench_common import _git_revision, rel_err, rel_l2  # noqa: E402
 
 import lce_patch  # noqa: E402
+import lce_patch.models.forward as lce_forward  # noqa: E402
 from lce_patch import VocabShard, fused_linear_cross_entropy  # noqa: E402
 
 SHAPES = {
@@ -53,6 +73,21 @@ SHAPES = {
 }
 # --cpu: the same checks on a tiny shape over gloo, in fp32 (a smoke test of the script; CI runs it).
 TINY = dict(hidden=64, vocab=509, heads=4, kv_heads=2, intermediate=128)
+SWEEP = (4096, 8192, 16384, 32768)
+
+
+def distributed_config_class() -> type | None:
+    """transformers' ``DistributedConfig`` when it takes ``tp_size`` and ``fsdp_size`` (5.24 has it), else None."""
+    try:
+        from transformers import DistributedConfig
+    except ImportError:
+        return None
+    fields = (
+        {f.name for f in dataclasses.fields(DistributedConfig)}
+        if dataclasses.is_dataclass(DistributedConfig)
+        else set(inspect.signature(DistributedConfig).parameters)
+    )
+    return DistributedConfig if {"tp_size", "fsdp_size"} <= fields else None
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -61,18 +96,62 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     parser.add_argument("--part", choices=("op", "model"), default="op")
     parser.add_argument("--arch", choices=sorted(SHAPES), default="llama")
-    parser.add_argument("--tokens", type=int, default=4096, help="tokens per step (op) / batch x seq (model)")
+    parser.add_argument(
+        "--tokens",
+        type=int,
+        nargs="+",
+        default=[4096],
+        help="tokens per step (op) / batch x seq per FSDP rank (model); several run one after the other",
+    )
+    parser.add_argument("--sweep", action="store_true", help=f"--tokens {' '.join(map(str, SWEEP))}")
     parser.add_argument("--seq-len", type=int, default=2048, help="model part: tokens per sequence")
     parser.add_argument("--layers", type=int, default=4, help="model part: decoder layers")
-    parser.add_argument("--steps", type=int, default=5, help="model part: timed steps per variant")
+    parser.add_argument("--warmup", type=int, default=3, help="model part: untimed steps per variant")
+    parser.add_argument("--steps", type=int, default=20, help="model part: timed steps per variant")
+    parser.add_argument(
+        "--api",
+        choices=("distributed_config", "tp_plan"),
+        default=None,
+        help="model part: how the model is distributed (default: distributed_config where transformers has "
+        "DistributedConfig(tp_size=, fsdp_size=), else tp_plan='auto')",
+    )
+    parser.add_argument(
+        "--fsdp-size",
+        type=int,
+        default=1,
+        help="model part, --api distributed_config: FSDP2 ranks; tp_size = world size / fsdp_size "
+        "(the world size: FSDP2 alone)",
+    )
+    parser.add_argument("--no-reference", action="store_true", help="model part: skip the one-process loss")
+    parser.add_argument(
+        "--rtol-reference",
+        type=float,
+        default=None,
+        help="model part: loss vs one process, relative (default 1e-2 in bf16, 1e-5 with --cpu)",
+    )
+    parser.add_argument("--profile", default=None, help="model part: write a profile of one step per variant here")
     parser.add_argument(
         "--same-device", action="store_true", help="all ranks on cuda:0 over gloo (checks values; no timing)"
     )
     parser.add_argument("--cpu", action="store_true", help="tiny shapes on CPU processes over gloo, fp32 (smoke test)")
     parser.add_argument("--out", default=os.environ.get("OUT") or str(REPO / "runs" / "tp_check"))
     args = parser.parse_args(argv)
+    if args.sweep:
+        args.tokens = list(SWEEP)
     if args.cpu:
-        args.tokens, args.seq_len, args.layers = min(args.tokens, 256), min(args.seq_len, 64), min(args.layers, 2)
+        args.tokens = [min(t, 256) for t in args.tokens]
+        args.seq_len, args.layers = min(args.seq_len, 64), min(args.layers, 2)
+    if args.api is None:
+        args.api = "distributed_config" if distributed_config_class() is not None else "tp_plan"
+    if args.api == "distributed_config" and distributed_config_class() is None:
+        parser.error(
+            f"--api distributed_config: transformers {__import__('transformers').__version__} has no "
+            "DistributedConfig(tp_size=, fsdp_size=) (5.24 has it); use --api tp_plan"
+        )
+    if args.fsdp_size < 1 or (args.fsdp_size > 1 and args.api != "distributed_config"):
+        parser.error("--fsdp-size > 1 needs --api distributed_config (tp_plan= gives tensor parallelism only)")
+    if args.warmup < 1 or args.steps < 1:
+        parser.error("--warmup and --steps must be at least 1")
     return args
 
 
@@ -93,11 +172,11 @@ def shard_bounds(vocab: int, world: int, rank: int) -> tuple[int, int]:
     return min(rank * size, vocab), min((rank + 1) * size, vocab)
 
 
-def check_op(args, rank: int, world: int, device: torch.device) -> dict:
+def check_op(args, tokens: int, rank: int, world: int, device: torch.device) -> dict:
     shape = shape_of(args)
     dtype = compute_dtype(args)
     gen = torch.Generator(device=device).manual_seed(0)
-    n, d, v = args.tokens, shape["hidden"], shape["vocab"]
+    n, d, v = tokens, shape["hidden"], shape["vocab"]
     hidden = torch.randn(n, d, device=device, generator=gen).to(dtype)
     weight = (torch.randn(v, d, device=device, generator=gen) * (2.0 / d**0.5)).to(dtype)
     labels = torch.randint(0, v, (n,), device=device, generator=gen)
@@ -135,11 +214,12 @@ def check_op(args, rank: int, world: int, device: torch.device) -> dict:
     }
 
 
-def check_model(args, rank: int, world: int, device: torch.device) -> dict:
+# ------------------------------------------------------------------------------------------------ model part
+def save_model(args, rank: int) -> Path:
+    """The model of ``--arch``'s shape, saved once by rank 0 (random weights, tied head)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     shape = shape_of(args)
-    dtype = compute_dtype(args)
     path = Path(tempfile.gettempdir()) / f"tp_check_{args.arch}_{args.layers}{'_cpu' if args.cpu else ''}"
     if rank == 0 and not (path / "config.json").exists():
         extra = {}
@@ -157,61 +237,334 @@ def check_model(args, rank: int, world: int, device: torch.device) -> dict:
             **extra,
         )
         torch.manual_seed(0)
-        AutoModelForCausalLM.from_config(config, dtype=dtype).save_pretrained(path)
+        AutoModelForCausalLM.from_config(config, dtype=compute_dtype(args)).save_pretrained(path)
     dist.barrier()
-    model = AutoModelForCausalLM.from_pretrained(path, tp_plan="auto", dtype=dtype)
-    model.train()
-    model.gradient_checkpointing_enable()
+    return path
+
+
+def load_distributed(args, path: Path, world: int) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    dtype = compute_dtype(args)
+    if args.api == "tp_plan":
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # deprecated in recent transformers, current in older ones
+            return AutoModelForCausalLM.from_pretrained(path, tp_plan="auto", dtype=dtype)
+    config_class = distributed_config_class()
+    sizes = dict(tp_size=world // args.fsdp_size, fsdp_size=args.fsdp_size)
+    return AutoModelForCausalLM.from_pretrained(path, distributed_config=config_class(**sizes), dtype=dtype)
+
+
+class OpCalls:
+    """Wraps the op the patched forward calls: what head weight each call got (a DTensor shard, a whole tensor)."""
+
+    def __init__(self) -> None:
+        self.calls: list[dict] = []
+        self.original = lce_forward.fused_linear_cross_entropy
+
+    def __enter__(self) -> OpCalls:
+        def counted(hidden, weight, *args, **kwargs):
+            placements = getattr(weight, "placements", None)
+            local = weight.to_local() if placements is not None else weight
+            self.calls.append(
+                {
+                    "weight": "DTensor" if placements is not None else "Tensor",
+                    "placements": [str(p) for p in placements] if placements is not None else None,
+                    "rows": int(weight.shape[0]),
+                    "local_rows": int(local.shape[0]),
+                }
+            )
+            return self.original(hidden, weight, *args, **kwargs)
+
+        lce_forward.fused_linear_cross_entropy = counted
+        return self
+
+    def __exit__(self, *exc) -> None:
+        lce_forward.fused_linear_cross_entropy = self.original
+
+
+def timing_summary(times: list[float]) -> dict:
+    ordered = sorted(times)
+
+    def pct(q: float) -> float:
+        return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+    return {
+        "ms_median": statistics.median(times),
+        "ms_min": ordered[0],
+        "ms_p10": pct(0.1),
+        "ms_p90": pct(0.9),
+        "ms_max": ordered[-1],
+        "steps": len(times),
+    }
+
+
+def profile_step(args, step, variant: str, tokens: int, rank: int, cuda: bool) -> None:
+    """One step under torch.profiler on rank 0 (the other ranks step alongside): Chrome trace and op table."""
+    from torch.profiler import ProfilerActivity, profile
+
+    if rank != 0:
+        step()
+        return
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities, record_shapes=True) as prof:
+        step()
+        if cuda:
+            torch.cuda.synchronize()
+    out = Path(args.profile)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = f"tp_check_{args.arch}_{layout_name(args)}_{tokens}_{variant}_rank0"
+    prof.export_chrome_trace(str(out / f"{stem}.json"))
+    sort_by = "self_device_time_total" if cuda else "self_cpu_time_total"
+    try:
+        table = prof.key_averages().table(sort_by=sort_by, row_limit=60)
+    except (AttributeError, KeyError):  # torch versions that name the device column cuda_*
+        table = prof.key_averages().table(sort_by="self_cuda_time_total" if cuda else sort_by, row_limit=60)
+    (out / f"{stem}.txt").write_text(table)
+
+
+def layout_name(args) -> str:
+    world = dist.get_world_size()
+    if args.api == "tp_plan":
+        return f"tp{world}_tpplan"
+    return f"tp{world // args.fsdp_size}_fsdp{args.fsdp_size}"
+
+
+def global_batch(args, tokens: int, dp_size: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``dp_size`` x (tokens // seq_len) sequences; the first quarter of each sequence ignored (-100)."""
     gen = torch.Generator().manual_seed(1)
-    batch_size = max(1, args.tokens // args.seq_len)
-    ids = torch.randint(0, shape["vocab"], (batch_size, args.seq_len), generator=gen).to(device)
+    rows = max(1, tokens // args.seq_len) * dp_size
+    ids = torch.randint(0, vocab, (rows, args.seq_len), generator=gen)
     labels = ids.clone()
     labels[:, : args.seq_len // 4] = -100
+    labels[-1, -3:] = -100  # uneven counts over the FSDP ranks
+    return ids, labels
+
+
+def measure(args, model, step, variant: str, tokens: int, rank: int, device: torch.device, model_bytes: int) -> dict:
+    """One variant at one token count: the compared step (loss, gradients on the host, the op's head weight),
+    the rest of the warm-up, the timed steps, the peak memory above the model; a profiled step if asked."""
     cuda = device.type == "cuda"
-    model_bytes = torch.cuda.memory_allocated(device) if cuda else 0
-
-    def step() -> tuple[float, dict[str, torch.Tensor]]:
-        model.zero_grad(set_to_none=True)
-        out = model(input_ids=ids, labels=labels)
-        out.loss.backward()
-        grads = {}
-        for name, p in model.named_parameters():
-            if p.grad is not None:
-                grads[name] = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
-        return float(out.loss), grads
-
-    results = {}
-    for variant in ("unpatched", "patched"):
-        if variant == "patched":
-            lce_patch.apply_fused_lce(model)
-        loss, grads = step()  # warm-up, and the values compared
+    with OpCalls() as op_calls:
+        loss = step()  # the values compared (and the first warm-up step)
+    grads = {}
+    for name, p in model.named_parameters():
+        if p.grad is not None:
+            grad = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+            grads[name] = grad.detach().to("cpu", copy=True)
+    model.zero_grad(set_to_none=True)
+    for _ in range(args.warmup - 1):
+        step()
+    if cuda:
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    times = []
+    for _ in range(args.steps):
         if cuda:
             torch.cuda.synchronize(device)
-            torch.cuda.reset_peak_memory_stats(device)
-        times = []
-        for _ in range(args.steps):
-            if cuda:
-                torch.cuda.synchronize(device)
-            start = time.perf_counter()
-            step()
-            if cuda:
-                torch.cuda.synchronize(device)
-            times.append(1e3 * (time.perf_counter() - start))
-        peak = torch.cuda.max_memory_allocated(device) - model_bytes if cuda else 0
-        results[variant] = {"loss": loss, "grads": grads, "ms": statistics.median(times), "peak_mib": peak / 2**20}
-    grads_u, grads_p = results["unpatched"].pop("grads"), results["patched"].pop("grads")
-    errors = {name: rel_l2(grads_p[name], grads_u[name]) for name in grads_u}
-    worst = max(errors, key=errors.get)
+        start = time.perf_counter()
+        step()
+        if cuda:
+            torch.cuda.synchronize(device)
+        times.append(1e3 * (time.perf_counter() - start))
+    peak = torch.cuda.max_memory_allocated(device) - model_bytes if cuda else 0
+    if args.profile and tokens == args.tokens[0]:
+        profile_step(args, step, variant, tokens, rank, cuda)
+    model.zero_grad(set_to_none=True)
     return {
-        "rank": rank,
-        "lm_head_local_rows": int(model.lm_head.weight.to_local().shape[0]),
-        "unpatched": results["unpatched"],
-        "patched": results["patched"],
-        "loss_rel": rel_err(results["patched"]["loss"], results["unpatched"]["loss"]),
-        "worst_grad": worst,
-        "worst_grad_rel": errors[worst],
-        "head_grad_rel": errors.get("lm_head.weight", errors.get("model.embed_tokens.weight")),
+        "loss": float(loss),
+        "grads": grads,
+        **timing_summary(times),
+        "peak_mib": peak / 2**20,
+        "op_calls": len(op_calls.calls),
+        "op_weight": op_calls.calls[0] if op_calls.calls else None,
     }
+
+
+def train_step(
+    model: torch.nn.Module, ids: torch.Tensor, labels: torch.Tensor, num_items: torch.Tensor, dp_size: int
+) -> torch.Tensor:
+    """Forward and backward of one rank's rows; the rank's loss (detached)."""
+    model.zero_grad(set_to_none=True)
+    out = model(input_ids=ids, labels=labels, num_items_in_batch=num_items)
+    (out.loss * dp_size).backward()
+    return out.loss.detach()
+
+
+def check_model(args, rank: int, world: int, device: torch.device) -> list[dict]:
+    shape = shape_of(args)
+    path = save_model(args, rank)
+    model = load_distributed(args, path, world)
+    model.train()
+    model.gradient_checkpointing_enable()
+    dp_size = args.fsdp_size if args.api == "distributed_config" else 1
+    tp_size = world // dp_size
+    dp_index = rank // tp_size  # transformers' mesh (pp, dp_replicate, fsdp, tp) in row-major rank order
+    mesh = getattr(model, "_device_mesh", None)
+    if mesh is not None and "fsdp" in (mesh.mesh_dim_names or ()):
+        dp_index = mesh.get_local_rank("fsdp")
+    cuda = device.type == "cuda"
+    model_bytes = torch.cuda.memory_allocated(device) if cuda else 0
+    head_weight = model.lm_head.weight
+    head = {
+        "weight": type(head_weight).__name__,
+        "placements": [str(p) for p in head_weight.placements] if hasattr(head_weight, "placements") else None,
+        "local_rows": int(head_weight.to_local().shape[0]) if hasattr(head_weight, "to_local") else None,
+    }
+
+    runs = []
+    batches = {}
+    for tokens in args.tokens:
+        global_ids, global_labels = global_batch(args, tokens, dp_size, shape["vocab"])
+        batches[tokens] = (global_ids, global_labels)
+        rows = global_ids.shape[0] // dp_size
+        ids = global_ids[dp_index * rows : (dp_index + 1) * rows].to(device)
+        labels = global_labels[dp_index * rows : (dp_index + 1) * rows].to(device)
+        # Every FSDP rank scales its loss by the global count and by dp_size (FSDP averages the gradients):
+        # the gradients are then those of the whole batch's mean loss, as the Trainer makes them.
+        num_items = torch.tensor(int((global_labels[:, 1:] != -100).sum()), device=device)
+
+        step = functools.partial(train_step, model, ids, labels, num_items, dp_size)
+
+        results = {}
+        for variant in ("unpatched", "patched"):
+            if variant == "patched":
+                lce_patch.apply_fused_lce(model)
+            try:
+                results[variant] = measure(args, model, step, variant, tokens, rank, device, model_bytes)
+            except torch.OutOfMemoryError as err:  # the unpatched head's logits at long inputs: the same on every rank
+                results[variant] = {"oom": str(err).splitlines()[0][:300], "grads": {}, "op_calls": 0}
+            if "oom" in results[variant]:  # (the error and its frames' tensors are gone here)
+                model.zero_grad(set_to_none=True)
+                if cuda:
+                    torch.cuda.empty_cache()
+        lce_patch.revert_fused_lce(model)
+        grads_u, grads_p = results["unpatched"].pop("grads"), results["patched"].pop("grads")
+        errors = {name: rel_l2(grads_p[name], grads_u[name]) for name in grads_u if name in grads_p}
+        worst = max(errors, key=errors.get) if errors else None
+        runs.append(
+            {
+                "tokens": tokens,
+                "rank": rank,
+                "dp_index": dp_index,
+                "rows": rows,
+                "head": head,
+                "unpatched": results["unpatched"],
+                "patched": results["patched"],
+                "loss_rel": rel_err(results["patched"]["loss"], results["unpatched"]["loss"]) if errors else None,
+                "missing_grads": sorted(set(grads_u) ^ set(grads_p)) if grads_u and grads_p else [],
+                "worst_grad": worst,
+                "worst_grad_rel": errors[worst] if worst else None,
+                "head_grad_rel": errors.get("lm_head.weight", errors.get("model.embed_tokens.weight")),
+            }
+        )
+    del model, step
+    if not args.no_reference and rank == 0:
+        references = reference_losses(args, path, batches, device)
+        for run in runs:
+            run["reference"] = references[run["tokens"]]
+    return runs
+
+
+def reference_losses(args, path: Path, batches: dict, device: torch.device) -> dict[int, dict]:
+    """The loss of one process on the whole model and global batch: plain Hugging Face with --cpu; on GPUs the
+    patched model (the fused loss, no [N, V] logits), whose op ``--part op`` and gpu_check test on their own."""
+    from transformers import AutoModelForCausalLM
+
+    reference = AutoModelForCausalLM.from_pretrained(path, dtype=compute_dtype(args)).to(device)
+    reference.train()
+    kind = "unpatched" if args.cpu else "patched"
+    if kind == "patched":
+        lce_patch.apply_fused_lce(reference)
+    losses = {}
+    with torch.no_grad():
+        for tokens, (ids, labels) in batches.items():
+            total, count = 0.0, int((labels[:, 1:] != -100).sum())
+            for i in range(ids.shape[0]):  # one sequence at a time: bounded memory
+                out = reference(
+                    input_ids=ids[i : i + 1].to(device),
+                    labels=labels[i : i + 1].to(device),
+                    num_items_in_batch=torch.tensor(count, device=device),
+                )
+                total += float(out.loss)
+            losses[tokens] = {"loss": total, "model": kind}
+    del reference
+    return losses
+
+
+# ------------------------------------------------------------------------------------------------ report
+def summarize_model(args, tokens: int, ranks: list[dict], loss_tol: float, grad_tol: float) -> dict:
+    """One token count: the global losses (summed over the FSDP ranks), the slowest rank's timings, verdicts."""
+    tp_size = len(ranks) // max(1, len({r["dp_index"] for r in ranks}))
+    leaders = [r for r in ranks if r["rank"] % tp_size == 0]  # one rank per FSDP index
+    row = {"tokens": tokens, "ranks": ranks}
+    for variant in ("unpatched", "patched"):
+        if any("oom" in r[variant] for r in ranks):  # out of memory (on every rank: the same shapes)
+            row[variant] = {"oom": next(r[variant]["oom"] for r in ranks if "oom" in r[variant])}
+            continue
+        slowest = max(ranks, key=lambda r: r[variant]["ms_median"])
+        row[variant] = {
+            "loss": sum(r[variant]["loss"] for r in leaders),
+            **{k: slowest[variant][k] for k in ("ms_median", "ms_min", "ms_p10", "ms_p90", "ms_max", "steps")},
+            "slowest_rank": slowest["rank"],
+            "peak_mib": max(r[variant]["peak_mib"] for r in ranks),
+        }
+    # The unpatched head may run out of memory at long inputs (its [N, V] logits on every rank): then only the
+    # patched run is checked, against one process. The patched one must run.
+    ok = "oom" not in row["patched"]
+    if ok and "oom" not in row["unpatched"]:
+        ok = all(r["loss_rel"] < 10 * loss_tol and r["worst_grad_rel"] < 2.5 * grad_tol for r in ranks)
+        ok = ok and not any(r["missing_grads"] for r in ranks)
+    # The fused op ran once per step on every rank: on a vocab-sharded DTensor head under tensor parallelism,
+    # on the whole head (gathered by FSDP) without it.
+    vocab = shape_of(args)["vocab"]
+    expected = "DTensor" if tp_size > 1 else "Tensor"
+    for r in ranks:
+        weight = r["patched"].get("op_weight") or {}
+        ok = ok and r["patched"]["op_calls"] == 1 and r["unpatched"]["op_calls"] == 0
+        ok = ok and weight.get("weight") == expected and weight.get("rows") == vocab
+        ok = ok and (weight.get("local_rows", vocab) < vocab if tp_size > 1 else weight.get("local_rows") == vocab)
+    reference = ranks[0].get("reference")
+    if reference is not None:
+        tol = args.rtol_reference if args.rtol_reference is not None else (1e-5 if args.cpu else 1e-2)
+        row["reference"] = {**reference, "rtol": tol}
+        for variant in ("unpatched", "patched"):
+            if "oom" not in row[variant]:
+                row["reference"][f"{variant}_rel"] = rel_err(row[variant]["loss"], reference["loss"])
+                ok = ok and row["reference"][f"{variant}_rel"] < tol
+    row["ok"] = ok
+    return row
+
+
+def print_model_table(report: dict) -> None:
+    print(
+        f"\n{report['arch']}, world size {report['world_size']}, {report['layout']} ({report['api']}), "
+        f"{report['warmup']} warm-up + {report['steps']} timed steps; ms per step on the slowest rank "
+        "(median, p10-p90, min-max), peak MiB above the model (max over ranks)"
+    )
+    header = f"{'tokens':>7} {'variant':>9} {'median':>9} {'p10-p90':>17} {'min-max':>17} {'MiB':>8} {'loss':>10}"
+    print(header + "  vs one process")
+    for row in report["runs"]:
+        for variant in ("unpatched", "patched"):
+            v = row[variant]
+            if "oom" in v:
+                print(f"{row['tokens']:>7} {variant:>9} out of memory: {v['oom'][:80]}")
+                continue
+            ref = row.get("reference", {}).get(f"{variant}_rel")
+            print(
+                f"{row['tokens']:>7} {variant:>9} {v['ms_median']:>9.2f} "
+                f"{v['ms_p10']:>8.2f}-{v['ms_p90']:<8.2f} {v['ms_min']:>8.2f}-{v['ms_max']:<8.2f} "
+                f"{v['peak_mib']:>8.0f} {v['loss']:>10.5f}  " + ("-" if ref is None else f"{ref:.2e}")
+            )
+        if "oom" in row["unpatched"] or "oom" in row["patched"]:
+            print(f"{'':>7} {'ok' if row['ok'] else 'FAIL'}")
+            continue
+        worst = max(row["ranks"], key=lambda r: r["worst_grad_rel"])
+        print(
+            f"{'':>7} patched / unpatched: x{row['patched']['ms_median'] / row['unpatched']['ms_median']:.3f} time, "
+            f"loss rel {max(r['loss_rel'] for r in row['ranks']):.2e}, worst gradient {worst['worst_grad']} "
+            f"{worst['worst_grad_rel']:.2e}; {'ok' if row['ok'] else 'FAIL'}"
+        )
 
 
 def main(argv=None) -> int:
@@ -224,22 +577,21 @@ def main(argv=None) -> int:
         if args.same_device:
             os.environ["LOCAL_RANK"] = "0"  # transformers' TP loading binds cuda:LOCAL_RANK
         torch.cuda.set_device(device)
-    dist.init_process_group("gloo" if args.same_device or args.cpu else "nccl")
+    # A rank that fails alone (out of memory in a step) leaves the others in a collective: end them in minutes.
+    dist.init_process_group("gloo" if args.same_device or args.cpu else "nccl", timeout=datetime.timedelta(minutes=5))
     rank, world = dist.get_rank(), dist.get_world_size()
-    result = check_op(args, rank, world, device) if args.part == "op" else check_model(args, rank, world, device)
+    if args.part == "model" and world % args.fsdp_size:
+        raise SystemExit(f"--fsdp-size {args.fsdp_size} does not divide the world size {world}")
+    if args.part == "op":
+        result = [check_op(args, tokens, rank, world, device) for tokens in args.tokens]
+    else:
+        result = check_model(args, rank, world, device)
     gathered = [None] * world
     dist.all_gather_object(gathered, result)
     ok = True
     if rank == 0:
         # bf16 on GPUs: bf16 noise; fp32 on CPU: fp32 noise.
         grad_tol, loss_tol = (1e-4, 1e-5) if args.cpu else (2e-2, 1e-4)
-        if args.part == "op":
-            ok = all(r["loss_rel_vs_one_process"] < 1e-5 and r["dh_rel_vs_one_process"] < grad_tol for r in gathered)
-            ok = ok and all(
-                r["dw_rel_vs_one_process"] < grad_tol and r["loss_rel_vs_fp32"] < loss_tol for r in gathered
-            )
-        else:
-            ok = all(r["loss_rel"] < 10 * loss_tol and r["worst_grad_rel"] < 2.5 * grad_tol for r in gathered)
         report = {
             "part": args.part,
             "arch": args.arch,
@@ -251,16 +603,48 @@ def main(argv=None) -> int:
                 "transformers": __import__("transformers").__version__,
                 "python": platform.python_version(),
             },
+            "commit": _git_revision(),
             "date": time.strftime("%Y-%m-%d"),
-            "ranks": gathered,
-            "ok": ok,
         }
+        if args.part == "op":
+            runs = []
+            for i, tokens in enumerate(args.tokens):
+                ranks = [r[i] for r in gathered]
+                run_ok = all(
+                    r["loss_rel_vs_one_process"] < 1e-5 and r["dh_rel_vs_one_process"] < grad_tol for r in ranks
+                )
+                run_ok = run_ok and all(
+                    r["dw_rel_vs_one_process"] < grad_tol and r["loss_rel_vs_fp32"] < loss_tol for r in ranks
+                )
+                runs.append({"tokens": tokens, "ranks": ranks, "ok": run_ok})
+            name = f"tp_check_op_{args.arch}_w{world}"
+        else:
+            runs = [
+                summarize_model(args, tokens, [r[i] for r in gathered], loss_tol, grad_tol)
+                for i, tokens in enumerate(args.tokens)
+            ]
+            report.update(
+                api=args.api,
+                layout=layout_name(args),
+                tp_size=world // args.fsdp_size,
+                fsdp_size=args.fsdp_size,
+                layers=args.layers,
+                seq_len=args.seq_len,
+                warmup=args.warmup,
+                steps=args.steps,
+            )
+            name = f"tp_check_model_{args.arch}_{layout_name(args)}"
+        ok = all(run["ok"] for run in runs)
+        report.update(runs=runs, ok=ok)
         print(json.dumps(report, indent=1))
+        if args.part == "model":
+            print_model_table(report)
         out = Path(args.out)
-        out = out if out.suffix == ".json" else out / f"tp_check_{args.part}_{args.arch}.json"
+        out = out if out.suffix == ".json" else out / f"{name}.json"
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(report, indent=1))
-        print(("PASS" if ok else "FAIL") + f" tp_check {args.part} {args.arch} world_size={world}")
+        label = f"{args.arch} world_size={world}" + (f" {layout_name(args)}" if args.part == "model" else "")
+        print(("PASS" if ok else "FAIL") + f" tp_check {args.part} {label}")
     flag = torch.tensor([int(ok)], device=device)
     dist.broadcast(flag, 0)
     dist.destroy_process_group()

@@ -142,7 +142,32 @@ def head_operands(
     return weight, bias, (low_hidden, torch.cat([t[1].to(dtype) for t in terms], dim=1))
 
 
+def deepspeed_tensor_parallel_layer(module: torch.nn.Module) -> type | None:
+    """The DeepSpeed AutoTP layer class ``module`` is an instance of (``LinearLayer``, ``LmHeadLinearAllreduce``,
+    ``VocabParallelLinear``, ...: subclasses of its ``TensorParallel_Layer``), else None. By name, so that
+    DeepSpeed is never imported here."""
+    for cls in type(module).__mro__:
+        if cls.__name__ == "TensorParallel_Layer" and cls.__module__.startswith("deepspeed."):
+            return type(module)
+    return None
+
+
+def _refuse_deepspeed_tensor_parallel(module: torch.nn.Module) -> None:
+    layer = deepspeed_tensor_parallel_layer(module)
+    if layer is None:
+        return
+    raise NotImplementedError(
+        f"lce_patch: the LM head is DeepSpeed AutoTP's {layer.__module__}.{layer.__name__}, which holds a plain "
+        "local shard of the head weight (of the vocabulary or of the hidden size); the fused loss would cover "
+        "one rank's part of it. Use transformers' tensor parallelism instead "
+        "(from_pretrained(..., distributed_config=DistributedConfig(tp_size=N)); the fused loss then runs "
+        "vocabulary-parallel on the head's DTensor), keep lm_head out of AutoTP (a partition_config whose "
+        "layer_specs do not match it, and vocab_parallel_lm_head=False), or do not patch this model."
+    )
+
+
 def _head_params(module: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
+    _refuse_deepspeed_tensor_parallel(module)
     weight = module.weight
     try:
         bias = module.bias

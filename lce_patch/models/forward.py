@@ -83,6 +83,38 @@ def _default_loss_function(model: torch.nn.Module) -> Any:
     return LOSS_MAPPING.get(getattr(model, "loss_type", None)) or LOSS_MAPPING["ForCausalLM"]
 
 
+def _config_vocab_size(model: torch.nn.Module) -> int | None:
+    """The vocabulary size the model's (decoder text) config names, or None."""
+    config = getattr(model, "config", None)
+    if config is None:
+        return None
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    size = getattr(text, "vocab_size", None)
+    return size if isinstance(size, int) else None
+
+
+def _check_whole_head(weight: torch.Tensor, vocab_size: int | None, model_name: str) -> None:
+    """Refuse a head weight that is a plain local shard of the vocabulary (tensor parallelism outside DTensor).
+
+    A weight with at most half the config's vocabulary rows is one rank's part of the head: the loss over it
+    would drop every label the rank does not hold. (Some models' heads are slightly smaller than their
+    config's vocabulary; none is half of it.) A DTensor's shape is the whole head's; the op shards it itself.
+    Shapes only: no device work.
+    """
+    if vocab_size is None or is_dtensor(weight):
+        return
+    rows = weight.shape[0]
+    if 0 < rows <= -(-vocab_size // 2):
+        raise RuntimeError(
+            f"lce_patch: {model_name}'s LM head weight has {rows} rows for a vocabulary of {vocab_size}: a plain "
+            "local shard of the head (tensor parallelism outside DTensor, e.g. DeepSpeed AutoTP), over which the "
+            "fused loss would cover one rank's part of the vocabulary. Use transformers' tensor parallelism "
+            "(from_pretrained(..., distributed_config=DistributedConfig(tp_size=N)): the head becomes a "
+            "vocab-sharded DTensor, which the fused loss reads), keep the head whole on every rank, or call "
+            "fused_linear_cross_entropy(..., vocab_shard=VocabShard(start, total, group)) on your own shard."
+        )
+
+
 class LossJob:
     """One fused forward: what the head computes when called, and what ``loss_function`` returns."""
 
@@ -96,6 +128,7 @@ class LossJob:
         token_weights: torch.Tensor | None = None,
     ) -> None:
         self.model_name = type(model).__name__
+        self.vocab_size = _config_vocab_size(model)
         self.head_config = head_config
         self.options = options
         self.want_logits = want_logits
@@ -132,6 +165,7 @@ class LossJob:
                 f"lce_patch: {self.model_name}'s LM head was called twice in one forward; the fused loss supports "
                 "a forward that projects the hidden states once (revert_fused_lce(model) to train this model)"
             )
+        _check_whole_head(weight, self.vocab_size, self.model_name)
         targets, shift = self._targets()
         num_valid_tokens = self.read_valid_count() if self.read_valid_count is not None else None
         options = self.options

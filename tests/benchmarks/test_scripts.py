@@ -69,6 +69,19 @@ def test_multi_gpu_check_single_process(tmp_path):
 
 
 @pytest.mark.slow
+def test_multi_gpu_check_fsdp2_compiled_on_cpu(tmp_path):
+    # A compiled patched model under FSDP2 (accelerate's fully_shard, forced onto gloo): losses, parameters and
+    # updates equal to one process, the whole head inside lm_head's call; aot_eager (no C++ compiler needed).
+    config = BENCHMARKS.parent / "recipes" / "accelerate" / "fsdp2.yaml"
+    args = ["-m", "accelerate.commands.launch", "--config_file", str(config), "checks/multi_gpu_check.py"]
+    args += ["--cpu-fsdp", "--compile", "aot_eager", "--steps", "2", "--seq-len", "32", "--hidden", "64"]
+    result = _run([*args, "--vocab", "512"], tmp_path, env_extra={"ACCELERATE_USE_CPU": "true"})
+    assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
+    assert "PASS multi_gpu_check llama FSDP2 world_size=2 compile=aot_eager" in result.stdout
+    assert "PASS rank1 compiled" in result.stdout and "FAIL" not in result.stdout
+
+
+@pytest.mark.slow
 @pytest.mark.skipif(
     not (DEEPSPEED_SITE / "deepspeed").is_dir(),
     reason=f"DeepSpeed not installed in {DEEPSPEED_SITE} (.ci/run installs it there)",
@@ -87,16 +100,28 @@ def test_multi_gpu_check_deepspeed_zero_on_cpu(stage, arch, tmp_path):
     assert "FAIL" not in result.stdout
 
 
+# (part, arch, processes, extra arguments, the layout in the PASS line and the JSON's name)
+TP_CHECK_CASES = [
+    ("op", "gemma2", 2, [], ""),
+    ("model", "llama", 2, ["--api", "tp_plan"], "tp2_tpplan"),  # the older spelling, tp_plan="auto"
+    ("model", "gemma2", 2, ["--tokens", "128", "256"], "tp2_fsdp1"),  # DistributedConfig(tp_size=2), two counts
+    ("model", "llama", 2, ["--fsdp-size", "2"], "tp1_fsdp2"),  # DistributedConfig(fsdp_size=2): FSDP2 alone
+    ("model", "gemma2", 4, ["--fsdp-size", "2"], "tp2_fsdp2"),  # TP x FSDP2 on four processes
+]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("part,arch", [("op", "gemma2"), ("model", "llama"), ("model", "gemma2")])
-def test_tp_check_on_cpu(part, arch, tmp_path):
-    # The tensor-parallel check's two parts on two CPU processes (gloo, tiny shapes, fp32), so that the
-    # script is known to run before its two-GPU run; tp_plan="auto" loading, patched vs unpatched step.
+@pytest.mark.parametrize("part,arch,processes,extra,layout", TP_CHECK_CASES)
+def test_tp_check_on_cpu(part, arch, processes, extra, layout, tmp_path):
+    # The tensor-parallel check's two parts on CPU processes (gloo, tiny shapes, fp32), so that the script is
+    # known to run before its GPU runs: the op part, and the model part loaded each way (tp_plan="auto",
+    # DistributedConfig with tensor parallelism, FSDP2, both), patched vs unpatched vs one process.
     from tests.multiprocess import free_port
 
     def launch_check() -> subprocess.CompletedProcess:
-        launch = ["-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port())]
-        return _run([*launch, "checks/tp_check.py", "--cpu", "--part", part, "--arch", arch], tmp_path)
+        launch = ["-m", "torch.distributed.run", "--nproc_per_node", str(processes), "--master_port", str(free_port())]
+        args = ["checks/tp_check.py", "--cpu", "--part", part, "--arch", arch, "--warmup", "2", "--steps", "3"]
+        return _run([*launch, *args, *extra], tmp_path)
 
     result = launch_check()
     if result.returncode != 0 and "terminate called without an active exception" in result.stderr:
@@ -106,9 +131,17 @@ def test_tp_check_on_cpu(part, arch, tmp_path):
         # with FAIL, not an abort).
         result = launch_check()
     assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
-    assert f"PASS tp_check {part} {arch} world_size=2" in result.stdout
-    report = json.loads((tmp_path / f"tp_check_{part}_{arch}.json").read_text())
-    assert report["ok"] and len(report["ranks"]) == 2
+    label = f"{arch} world_size={processes}" + (f" {layout}" if layout else "")
+    assert f"PASS tp_check {part} {label}" in result.stdout
+    name = f"tp_check_model_{arch}_{layout}" if part == "model" else f"tp_check_op_{arch}_w{processes}"
+    report = json.loads((tmp_path / f"{name}.json").read_text())
+    assert report["ok"] and all(len(run["ranks"]) == processes for run in report["runs"])
+    if part == "model":
+        tokens = [int(t) for t in extra[1:]] if "--tokens" in extra else [256]
+        assert [run["tokens"] for run in report["runs"]] == tokens
+        for run in report["runs"]:
+            assert run["reference"]["patched_rel"] < 1e-5 and run["unpatched"]["steps"] == 3
+            assert run["unpatched"]["ms_min"] <= run["unpatched"]["ms_median"] <= run["unpatched"]["ms_max"]
 
 
 @pytest.mark.slow
