@@ -23,8 +23,9 @@ step time. The loading (``--api``):
     (``--tokens`` per FSDP rank, the same on the ranks of one TP group).
   * ``tp_plan``: ``from_pretrained(..., tp_plan="auto")``, the older spelling (tensor parallelism only).
 
-Timing: ``--warmup`` steps (default 3; compilation and autotuning stay out of the timed steps), then
-``--steps`` timed steps (default 20), each bracketed by device synchronisations; the median, min, p10,
+Timing: ``--warmup`` steps per variant (default 3; compilation and autotuning stay out of the timed steps), then
+``--steps`` timed steps of each variant (default 20), interleaved (unpatched, patched, patched, unpatched, ...) so
+that drift over the run reaches both alike, each bracketed by device synchronisations; the median, min, p10,
 p90 and max per variant and rank. ``--tokens`` takes several counts (``--sweep``: 4096 8192 16384 32768),
 run one after the other on the same loaded model. ``--profile DIR`` writes a torch.profiler trace (Chrome
 JSON) and a ``key_averages`` table of one unpatched and one patched step at the first token count, on rank 0.
@@ -341,9 +342,10 @@ def global_batch(args, tokens: int, dp_size: int, vocab: int) -> tuple[torch.Ten
     return ids, labels
 
 
-def measure(args, model, step, variant: str, tokens: int, rank: int, device: torch.device, model_bytes: int) -> dict:
+def measure(args, model, step, variant: str, tokens: int, rank: int, device: torch.device) -> dict:
     """One variant at one token count: the compared step (loss, gradients on the host, the op's head weight),
-    the rest of the warm-up, the timed steps, the peak memory above the model; a profiled step if asked."""
+    the rest of the warm-up, and a profiled step if asked. The timed steps come after, interleaved
+    (:func:`time_interleaved`)."""
     cuda = device.type == "cuda"
     with OpCalls() as op_calls:
         loss = step()  # the values compared (and the first warm-up step)
@@ -355,30 +357,47 @@ def measure(args, model, step, variant: str, tokens: int, rank: int, device: tor
     model.zero_grad(set_to_none=True)
     for _ in range(args.warmup - 1):
         step()
-    if cuda:
-        torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
-    times = []
-    for _ in range(args.steps):
-        if cuda:
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        step()
-        if cuda:
-            torch.cuda.synchronize(device)
-        times.append(1e3 * (time.perf_counter() - start))
-    peak = torch.cuda.max_memory_allocated(device) - model_bytes if cuda else 0
     if args.profile and tokens == args.tokens[0]:
         profile_step(args, step, variant, tokens, rank, cuda)
     model.zero_grad(set_to_none=True)
     return {
         "loss": float(loss),
         "grads": grads,
-        **timing_summary(times),
-        "peak_mib": peak / 2**20,
         "op_calls": len(op_calls.calls),
         "op_weight": op_calls.calls[0] if op_calls.calls else None,
     }
+
+
+def set_variant(model, variant: str) -> None:
+    patched = lce_patch.models.is_patched(model)
+    if variant == "patched" and not patched:
+        lce_patch.apply_fused_lce(model)
+    elif variant == "unpatched" and patched:
+        lce_patch.revert_fused_lce(model)
+
+
+def time_interleaved(args, model, step, variants: list[str], device: torch.device, model_bytes: int) -> dict:
+    """``--steps`` timed steps of each variant, alternating (A B, B A, A B, ...) so that drift of the host or the
+    GPU clocks over the run reaches both alike; each step bracketed by device synchronisations. Per variant:
+    the timing summary and the peak memory above the model over its timed steps."""
+    cuda = device.type == "cuda"
+    times = {variant: [] for variant in variants}
+    peaks = dict.fromkeys(variants, 0)
+    for i in range(args.steps):
+        for variant in variants if i % 2 == 0 else variants[::-1]:
+            set_variant(model, variant)
+            if cuda:
+                torch.cuda.synchronize(device)
+                torch.cuda.reset_peak_memory_stats(device)
+            start = time.perf_counter()
+            step()
+            if cuda:
+                torch.cuda.synchronize(device)
+            times[variant].append(1e3 * (time.perf_counter() - start))
+            if cuda:
+                peaks[variant] = max(peaks[variant], torch.cuda.max_memory_allocated(device) - model_bytes)
+    model.zero_grad(set_to_none=True)
+    return {variant: {**timing_summary(times[variant]), "peak_mib": peaks[variant] / 2**20} for variant in variants}
 
 
 def train_step(
@@ -428,17 +447,19 @@ def check_model(args, rank: int, world: int, device: torch.device) -> list[dict]
 
         results = {}
         for variant in ("unpatched", "patched"):
-            if variant == "patched":
-                lce_patch.apply_fused_lce(model)
+            set_variant(model, variant)
             try:
-                results[variant] = measure(args, model, step, variant, tokens, rank, device, model_bytes)
+                results[variant] = measure(args, model, step, variant, tokens, rank, device)
             except torch.OutOfMemoryError as err:  # the unpatched head's logits at long inputs: the same on every rank
                 results[variant] = {"oom": str(err).splitlines()[0][:300], "grads": {}, "op_calls": 0}
             if "oom" in results[variant]:  # (the error and its frames' tensors are gone here)
                 model.zero_grad(set_to_none=True)
                 if cuda:
                     torch.cuda.empty_cache()
-        lce_patch.revert_fused_lce(model)
+        timed = [variant for variant in ("unpatched", "patched") if "oom" not in results[variant]]
+        for variant, summary in time_interleaved(args, model, step, timed, device, model_bytes).items():
+            results[variant].update(summary)
+        set_variant(model, "unpatched")
         grads_u, grads_p = results["unpatched"].pop("grads"), results["patched"].pop("grads")
         errors = {name: rel_l2(grads_p[name], grads_u[name]) for name in grads_u if name in grads_p}
         worst = max(errors, key=errors.get) if errors else None
