@@ -53,6 +53,7 @@ rank 0 prints a markdown table. ``--cpu`` runs a tiny model of the same architec
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import gc
 import json
@@ -398,7 +399,19 @@ def build_model(args: argparse.Namespace, device, distribution: Distribution):
 
     config = model_config(args)
     dtype = torch.float32 if args.cpu else torch.bfloat16
-    with torch.device("meta"):
+    try:  # an earlier method's Trainer left DeepSpeed's config registered: no ZeRO-3 init at construction
+        from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+        unset_hf_deepspeed_config()
+    except ImportError:
+        pass
+    untied = contextlib.nullcontext()
+    if distribution.config is not None:
+        # As from_pretrained does: tied weights stay apart until the plan has laid each out, then are tied.
+        from transformers.initialization import no_tie_weights
+
+        untied = no_tie_weights()
+    with torch.device("meta"), untied:
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     if distribution.config is not None:
         model = type(model).maybe_distribute_model(model, distribution.config, distribution.mesh)
@@ -709,6 +722,8 @@ class Run:
         guard = None
         mine: dict[str, Any] = {"what": f"{method} (batch {batch})", "rank": self.rank}
         model = trainer = None
+        if torch.cuda.is_available():  # what an earlier method left behind (should be ~0)
+            mine["start_allocated_gib"] = torch.cuda.memory_allocated() / 2**30
         try:
             config = model_config(args)
             guard = ModuleGuard(config)
@@ -795,6 +810,7 @@ class Run:
             result["peak_gib"] = round(max(r["peak_gib"] for r in ranks), 3)
             result["peak_gib_per_rank"] = [round(r["peak_gib"], 3) for r in ranks]
             result["peak_reserved_gib"] = round(max(r["peak_reserved_gib"] for r in ranks), 3)
+            result["start_allocated_gib"] = round(max(r.get("start_allocated_gib", 0.0) for r in ranks), 3)
         if "lce_patch_active" in lead:
             result["lce_patch_active"] = all(r.get("lce_patch_active") for r in ranks)
         return result
