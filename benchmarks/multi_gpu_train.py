@@ -206,7 +206,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--sync-timeout-s",
         type=float,
-        default=180.0,
+        default=120.0,
         help="how long ranks wait for each other to agree after a method; past it the run ends (exit status 3)",
     )
     parser.add_argument("--lr", type=float, default=1e-5, help="AdamW learning rate")
