@@ -641,7 +641,11 @@ class Run:
 
         self.args = args
         self.t0 = time.time()
-        self.state = PartialState(cpu=args.cpu)
+        deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
+        if args.cpu and deepspeed:  # DeepSpeed on CPU processes (DS_ACCELERATOR=cpu): accelerate picks no backend
+            self.state = PartialState(backend="gloo")
+        else:
+            self.state = PartialState(cpu=args.cpu)
         self.world = self.state.num_processes
         self.rank = self.state.process_index
         self.device = self.state.device
@@ -959,6 +963,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"wrote {run.path}", flush=True)
     run.agree({"what": "the end"})
     ok = any(m["status"] == "ok" for m in run.report["methods"].values())
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
     return 0 if ok else 1
 
 
