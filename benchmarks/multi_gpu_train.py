@@ -217,8 +217,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=int,
         default=0,
         metavar="B",
-        help="testing the search: raise torch.OutOfMemoryError on every rank in the first step of a micro-batch "
-        "above B",
+        help="testing the search: raise torch.OutOfMemoryError in the first step of a micro-batch above B",
+    )
+    parser.add_argument(
+        "--simulate-oom-rank",
+        type=int,
+        default=None,
+        metavar="R",
+        help="testing: --simulate-oom-above on rank R only (default: every rank), which the others then wait for",
     )
     parser.add_argument(
         "--out",
@@ -709,6 +715,7 @@ class Run:
             print(message, file=sys.stderr, flush=True)
             if self.rank == 0:
                 self.report.setdefault("aborted", message)
+                self.report.setdefault("aborted_rank0_state", {k: v for k, v in mine.items() if k != "traceback"})
                 self.write()
             os._exit(3)
         return gathered
@@ -739,7 +746,8 @@ class Run:
             rows = make_rows(args, steps * batch * self.dp_size, config.vocab_size)
             clock = StepClock()
             trainer = make_trainer(method, model, args, rows, batch, steps, clock)
-            if args.simulate_oom_above and batch > args.simulate_oom_above:
+            simulated = args.simulate_oom_rank is None or args.simulate_oom_rank == self.rank
+            if args.simulate_oom_above and batch > args.simulate_oom_above and simulated:
                 trainer.add_callback(simulated_oom_callback())
             mine["trainer"] = type(trainer).__name__
             t_train = time.time()

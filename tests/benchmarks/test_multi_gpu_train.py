@@ -26,7 +26,7 @@ def _load():
     return module
 
 
-def _launch(tmp_path: Path, *args: str, timeout: int = 600) -> dict:
+def _launch(tmp_path: Path, *args: str, timeout: int = 600, status: int = 0) -> dict:
     env = {**os.environ, "PYTHONPATH": str(REPO), "OUT": str(tmp_path), "OMP_NUM_THREADS": "1"}
     env.pop("TRITON_INTERPRET", None)  # CPU runs take the torch backend, as a user's would
     for name in ("ACCELERATE_USE_FSDP", "ACCELERATE_USE_DEEPSPEED"):
@@ -40,8 +40,9 @@ def _launch(tmp_path: Path, *args: str, timeout: int = 600) -> dict:
         text=True,
         timeout=timeout,
     )
-    assert result.returncode == 0, (result.stdout[-3000:], result.stderr[-5000:])
-    assert "| method |" in result.stdout  # rank 0's table
+    assert (result.returncode == 0) == (status == 0), (result.stdout[-3000:], result.stderr[-5000:])
+    if status == 0:
+        assert "| method |" in result.stdout  # rank 0's table
     (path,) = tmp_path.glob("multi_gpu_train_*.json")
     return json.loads(path.read_text())
 
@@ -127,3 +128,27 @@ def test_cpu_smoke_tensor_parallel(tmp_path):
     assert methods["lce_patch"]["status"] == "ok", methods["lce_patch"]
     assert methods["lce_patch"]["lce_patch_active"]
     assert _close(methods["lce_patch"]["losses"], methods["unpatched"]["losses"])
+
+
+@pytest.mark.slow
+def test_cpu_smoke_failure_on_one_rank_ends_the_run(tmp_path):
+    # Rank 0 fails alone before its first step while rank 1 goes on into the gradient all-reduce: the
+    # agreement times out, rank 0 records why, and the launch ends (no hang).
+    report = _launch(
+        tmp_path,
+        "--methods",
+        "unpatched,lce_patch",
+        "--batch",
+        "2",
+        "--simulate-oom-above",
+        "1",
+        "--simulate-oom-rank",
+        "0",
+        "--sync-timeout-s",
+        "10",
+        timeout=300,
+        status=1,
+    )
+    assert "did not agree" in report["aborted"]
+    assert report["aborted_rank0_state"]["oom"]
+    assert report["methods"] == {}  # nothing measured, nothing invented
