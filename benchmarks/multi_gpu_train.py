@@ -671,7 +671,7 @@ class Run:
             "tp_size": args.tp,
             "dp_size": self.dp_size,
             "model": args.model,
-            "layers": None,
+            "layers": model_config(args).num_hidden_layers,
             "full_layers": MODELS[args.model]["num_hidden_layers"] if not args.cpu else TINY["num_hidden_layers"],
             "cpu_smoke": args.cpu,
             "seq_len": args.seq_len,
@@ -692,7 +692,9 @@ class Run:
             "max_batch": {},
         }
         out = Path(args.out)
-        name = f"multi_gpu_train_{self.engine}_{args.model}_{args.seq_len}.json"
+        layers = model_config(args).num_hidden_layers
+        stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime(self.t0))
+        name = f"multi_gpu_train_{self.engine}_{args.model}_{args.seq_len}_{layers}layers_{stamp}.json"
         self.path = out if out.suffix == ".json" else out / name
 
     # -- agreement -----------------------------------------------------------------------------------
