@@ -628,6 +628,16 @@ def make_trainer(method: str, model, args: argparse.Namespace, rows, batch: int,
     )
 
 
+def fresh_accelerator_state() -> None:
+    """Forget the previous method's accelerate state (the process group stays): accelerate keeps the first
+    Accelerator's settings for the whole process, so a later Trainer's torch_compile and DeepSpeed micro-batch
+    would be ignored (the Trainer resets it the same way between hyperparameter-search trials)."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(reset_partial_state=False)
+    GradientState._reset_state()
+
+
 def free_memory() -> None:
     import torch
 
@@ -747,6 +757,7 @@ class Run:
             mine.update(parameter_counts(model))
             rows = make_rows(args, steps * batch * self.dp_size, config.vocab_size)
             clock = StepClock()
+            fresh_accelerator_state()
             trainer = make_trainer(method, model, args, rows, batch, steps, clock)
             simulated = args.simulate_oom_rank is None or args.simulate_oom_rank == self.rank
             if args.simulate_oom_above and batch > args.simulate_oom_above and simulated:
@@ -756,6 +767,10 @@ class Run:
             trainer.train()
             mine["train_s"] = time.time() - t_train
             mine["distributed_type"] = str(trainer.accelerator.distributed_type)
+            mine["compiled"] = any(
+                type(m).__name__ == "OptimizedModule" or hasattr(m, "_orig_mod")
+                for m in trainer.model_wrapped.modules()
+            )
             mine["step_s"] = clock.step_times()
             mine["losses"] = [e["loss"] for e in trainer.state.log_history if "loss" in e]
             if torch.cuda.is_available():
@@ -803,6 +818,7 @@ class Run:
             "micro_batch": batch,
             "trainer": lead["trainer"],
             "distributed_type": lead["distributed_type"],
+            "compiled": lead["compiled"],
             "params": lead["params"],
             "trainable_params": lead["trainable"],
             "build_s": round(max(r["build_s"] for r in ranks), 2),
