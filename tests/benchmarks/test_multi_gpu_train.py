@@ -152,3 +152,31 @@ def test_cpu_smoke_failure_on_one_rank_ends_the_run(tmp_path):
     assert "did not agree" in report["aborted"]
     assert report["aborted_rank0_state"]["oom"]
     assert report["methods"] == {}  # nothing measured, nothing invented
+
+
+@pytest.mark.parametrize("name", ["llama-3.1-8b", "qwen2.5-7b", "gemma-2-9b", "llama-3.1-8b-lora"])
+def test_build_initialises_every_buffer(name):
+    # Built on the meta device and materialised with to_empty: every buffer (RoPE frequencies, Gemma's embedding
+    # scale) must be computed again, the head tied where the config ties it, LoRA on the projections only.
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    module = _load()
+    args = module.parse_args(["--cpu", "--model", name])
+    model = module.build_model(args, torch.device("cpu"), module.Distribution(args, 1))
+    reference = AutoModelForCausalLM.from_config(module.model_config(args), dtype=torch.float32)
+    expected = dict(reference.named_buffers())
+    buffers = {k.removeprefix("base_model.model."): b for k, b in model.named_buffers()}
+    assert buffers.keys() == expected.keys()
+    for key, buffer in buffers.items():
+        torch.testing.assert_close(buffer, expected[key], msg=key)
+    base = model.get_base_model() if name.endswith("-lora") else model
+    tied = base.get_output_embeddings().weight is base.get_input_embeddings().weight
+    assert tied == base.config.tie_word_embeddings
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    trainable = {k for k, p in model.named_parameters() if p.requires_grad}
+    if name.endswith("-lora"):
+        assert trainable and all("lora_" in k for k in trainable)
+        assert {k.split(".")[-4] for k in trainable} == set(module.LORA_TARGETS)  # <proj>.lora_A.default.weight
+    else:
+        assert len(trainable) == len(list(model.parameters()))
