@@ -11,7 +11,8 @@ engine (FSDP2, DeepSpeed ZeRO-3, tensor parallelism) is set up exactly as in a u
     liger_kernels+lce_patch   Liger's other kernels (RMSNorm, RoPE, SwiGLU/GeGLU; its losses off) + FusedLCECallback
     liger_all                 Liger's patch, every kernel (its fused loss included)
     trl_fused_head            TRL's SFTTrainer with its own fused LM head (its default since TRL 1.15)
-    compile                   the unpatched model under TrainingArguments(torch_compile=True); not on --cpu
+    compile                   the unpatched model under TrainingArguments(torch_compile=True): opt-in (name it, or
+                              --methods all; compiling an 8B model takes minutes), not on --cpu
 
 A method whose package is missing (liger-kernel, trl, datasets) is reported as skipped; one that fails on every
 rank is reported with its error, and the run goes on.
