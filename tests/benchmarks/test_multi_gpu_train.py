@@ -1,0 +1,182 @@
+"""benchmarks/multi_gpu_train.py: its options, and its CPU smoke mode under torchrun (two gloo processes, a tiny
+model of the real architecture): every method that can run here trains, the fused losses equal the unpatched one,
+the largest-micro-batch search agrees across ranks on an out-of-memory error, tensor parallelism runs through
+transformers' DistributedConfig.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPT = REPO / "benchmarks" / "multi_gpu_train.py"
+
+
+def _load():
+    spec = importlib.util.spec_from_file_location("multi_gpu_train", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _launch(tmp_path: Path, *args: str, timeout: int = 600, status: int = 0) -> dict:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OUT": str(tmp_path), "OMP_NUM_THREADS": "1"}
+    env.pop("TRITON_INTERPRET", None)  # CPU runs take the torch backend, as a user's would
+    for name in ("ACCELERATE_USE_FSDP", "ACCELERATE_USE_DEEPSPEED"):
+        env.pop(name, None)
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(SCRIPT)]
+    result = subprocess.run(
+        [*command, "--cpu", "--warmup", "1", "--steps", "2", *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert (result.returncode == 0) == (status == 0), (result.stdout[-3000:], result.stderr[-5000:])
+    if status == 0:
+        assert "| method |" in result.stdout  # rank 0's table
+    (path,) = tmp_path.glob("multi_gpu_train_*.json")
+    return json.loads(path.read_text())
+
+
+def _close(a: list[float], b: list[float], rtol: float = 1e-4) -> bool:
+    return len(a) == len(b) and all(abs(x - y) <= rtol * abs(y) for x, y in zip(a, b))
+
+
+def test_help():
+    result = subprocess.run(
+        [sys.executable, str(SCRIPT), "--help"], cwd=REPO, capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "usage:" in result.stdout and "--max-batch" in result.stdout
+
+
+def test_options():
+    module = _load()
+    args = module.parse_args(["--methods", "all", "--cpu"])
+    assert args.methods == list(module.METHODS)
+    assert args.seq_len == 64  # the GPU default is replaced in the smoke mode
+    with pytest.raises(SystemExit):
+        module.parse_args(["--methods", "unpatched,liger"])
+    with pytest.raises(SystemExit):
+        module.parse_args(["--layers", "0"])
+    # Every model's config builds, cut to --layers, with the real vocabulary and softcap.
+    config = module.model_config(module.parse_args(["--model", "gemma-2-9b", "--layers", "2"]))
+    assert (config.num_hidden_layers, config.vocab_size, config.final_logit_softcapping) == (2, 256000, 30.0)
+    config = module.model_config(module.parse_args(["--model", "qwen2.5-7b", "--seq-len", "32768"]))
+    assert (config.hidden_size, config.num_hidden_layers, config.vocab_size) == (3584, 28, 152064)
+
+
+def test_rows_mask_about_half():
+    module = _load()
+    args = module.parse_args(["--seq-len", "1000"])
+    rows = module.make_rows(args, 8, 100)
+    masked = [sum(label == module.IGNORE for label in row["labels"]) / 1000 for row in rows]
+    assert all(0.44 <= m <= 0.56 for m in masked), masked
+    assert len({tuple(row["input_ids"]) for row in rows}) == 8
+
+
+@pytest.mark.slow
+def test_cpu_smoke_methods_and_search(tmp_path):
+    report = _launch(
+        tmp_path,
+        "--methods",
+        "unpatched,lce_patch,liger_all,trl_fused_head,compile",
+        "--max-batch",
+        "4",
+        "--max-batch-methods",
+        "lce_patch",
+        "--simulate-oom-above",
+        "2",
+    )
+    assert (report["engine"], report["world_size"], report["layers"]) == ("ddp", 2, 2)
+    assert report["versions"]["torch"] and "date" in report and "git" in report
+    methods = report["methods"]
+    assert methods["unpatched"]["status"] == "ok"
+    assert methods["lce_patch"]["status"] == "ok" and methods["lce_patch"]["lce_patch_active"]
+    assert methods["liger_all"]["status"] == "skipped"  # Triton kernels: not on CPU processes
+    assert methods["compile"]["status"] == "skipped"
+    reference = methods["unpatched"]["losses"]
+    assert len(reference) == 3
+    assert _close(methods["lce_patch"]["losses"], reference)
+    if methods["trl_fused_head"]["status"] != "skipped":  # TRL and datasets installed
+        assert methods["trl_fused_head"]["status"] == "ok", methods["trl_fused_head"]
+        assert _close(methods["trl_fused_head"]["losses"], reference)
+    for method in ("unpatched", "lce_patch"):
+        assert methods[method]["tokens_per_s_per_gpu"] > 0 and len(methods[method]["step_s"]) == 3
+    # Batch 1 from the timed run, 2 trains, 4 runs out of memory on both ranks, 3 as well: 2 is the largest.
+    search = report["max_batch"]["lce_patch"]
+    assert search["max_micro_batch"] == 2
+    assert [(a["batch"], a["ok"]) for a in search["attempts"]] == [(1, True), (2, True), (4, False), (3, False)]
+    assert all(a["oom"] for a in search["attempts"] if not a["ok"])
+
+
+@pytest.mark.slow
+def test_cpu_smoke_tensor_parallel(tmp_path):
+    report = _launch(tmp_path, "--tp", "2", "--model", "gemma-2-9b", "--methods", "unpatched,lce_patch")
+    assert (report["engine"], report["tp_size"], report["dp_size"]) == ("tp2", 2, 1)
+    methods = report["methods"]
+    assert methods["unpatched"]["status"] == "ok", methods["unpatched"]
+    assert methods["lce_patch"]["status"] == "ok", methods["lce_patch"]
+    assert methods["lce_patch"]["lce_patch_active"]
+    assert _close(methods["lce_patch"]["losses"], methods["unpatched"]["losses"])
+
+
+@pytest.mark.slow
+def test_cpu_smoke_failure_on_one_rank_ends_the_run(tmp_path):
+    # Rank 0 fails alone before its first step while rank 1 goes on into the gradient all-reduce: the
+    # agreement times out, rank 0 records why, and the launch ends (no hang).
+    report = _launch(
+        tmp_path,
+        "--methods",
+        "unpatched,lce_patch",
+        "--batch",
+        "2",
+        "--simulate-oom-above",
+        "1",
+        "--simulate-oom-rank",
+        "0",
+        "--sync-timeout-s",
+        "10",
+        timeout=300,
+        status=1,
+    )
+    assert "did not agree" in report["aborted"]
+    assert report["aborted_rank0_state"]["oom"]
+    assert report["methods"] == {}  # nothing measured, nothing invented
+
+
+@pytest.mark.parametrize("name", ["llama-3.1-8b", "qwen2.5-7b", "gemma-2-9b", "llama-3.1-8b-lora"])
+def test_build_initialises_every_buffer(name):
+    # Built on the meta device and materialised with to_empty: every buffer (RoPE frequencies, Gemma's embedding
+    # scale) must be computed again, the head tied where the config ties it, LoRA on the projections only.
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    module = _load()
+    args = module.parse_args(["--cpu", "--model", name])
+    model = module.build_model(args, torch.device("cpu"), module.Distribution(args, 1))
+    reference = AutoModelForCausalLM.from_config(module.model_config(args), dtype=torch.float32)
+    expected = dict(reference.named_buffers())
+    buffers = {k.removeprefix("base_model.model."): b for k, b in model.named_buffers()}
+    assert buffers.keys() == expected.keys()
+    for key, buffer in buffers.items():
+        torch.testing.assert_close(buffer, expected[key], msg=key)
+    base = model.get_base_model() if name.endswith("-lora") else model
+    tied = base.get_output_embeddings().weight is base.get_input_embeddings().weight
+    assert tied == base.config.tie_word_embeddings
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    trainable = {k for k, p in model.named_parameters() if p.requires_grad}
+    if name.endswith("-lora"):
+        assert trainable and all("lora_" in k for k in trainable)
+        assert {k.split(".")[-4] for k in trainable} == set(module.LORA_TARGETS)  # <proj>.lora_A.default.weight
+    else:
+        assert len(trainable) == len(list(model.parameters()))
