@@ -2,7 +2,7 @@
 
 from typing import Any
 
-from .models import apply_fused_lce, revert_fused_lce, supported_architectures
+from .models import apply_fused_lce, is_patched, revert_fused_lce, supported_architectures
 from .ops import (
     FusedLinearCrossEntropy,
     TokenOutputs,
@@ -26,6 +26,7 @@ __all__ = [
     "fused_linear_divergence",
     "fused_linear_log_probs",
     "fused_linear_sparse_divergence",
+    "is_patched",
     "revert_fused_lce",
     "supported_architectures",
 ]

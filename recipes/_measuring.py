@@ -4,7 +4,8 @@
 :func:`peak_memory` measures a run's peak memory (``torch.cuda.max_memory_allocated`` on a GPU, the
 live tensor bytes of :class:`LiveTensorBytes` on a CPU); :class:`RunResult` holds what one run
 measured and gives its time per step and tokens/s as a :class:`Spread` (median, quartiles, extremes)
-over the steps after the warm-up (:func:`warmup_steps`).
+over the steps after the warm-up (:func:`warmup_steps`); :func:`speed_verdict` says whether two runs'
+step times differ by more than their noise.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import math
 import statistics
 import time
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -177,6 +178,7 @@ class RunResult:
     memory_method: str
     last_metrics: dict[str, float] = dataclasses.field(default_factory=dict)
     step_logs: list[dict[str, float]] = dataclasses.field(default_factory=list)
+    load_average: float | None = None  # the machine's 1-minute load average when the run ended (Unix)
 
     @property
     def timed(self) -> slice:
@@ -208,3 +210,65 @@ class RunResult:
             "step_time_s": dataclasses.asdict(self.step_time),
             "tokens_per_second": dataclasses.asdict(self.tokens_per_second),
         }
+
+
+# A run whose median step in one half of its timed steps is this many times the other half's has not settled.
+DRIFT_RATIO = 1.5
+
+
+@dataclasses.dataclass(frozen=True)
+class SpeedVerdict:
+    """Whether two runs' step times differ beyond their noise.
+
+    ``change``: the fused run's median step time relative to the baseline's, minus 1 (-0.25: 25% faster; NaN
+    where a run has no timed step); ``call``: "faster", "slower" or "too noisy to call"; ``reasons``: why it is too
+    noisy, in words (empty when called)."""
+
+    change: float
+    call: str
+    reasons: tuple[str, ...]
+
+
+def speed_verdict(
+    baseline: Sequence[float], fused: Sequence[float], baseline_name: str = "baseline", fused_name: str = "lce_patch"
+) -> SpeedVerdict:
+    """Compares two runs' seconds per step (every step, warm-up included: it is left out here, see
+    :func:`warmup_steps`).
+
+    The medians are called different only when the difference between them is larger than each run's own
+    spread (the middle half of its steps, p25-p75), the middle halves do not overlap, and neither run was still
+    settling: the medians of the first and second halves of its timed steps within a factor of ``DRIFT_RATIO``
+    (a slow stretch of steps that the two-step warm-up does not cover: a first-run compilation, another process
+    taking the CPU for a while). Fewer than three timed steps per run give no spread to judge by.
+    """
+    spreads, reasons = [], []
+    for name, seconds in ((baseline_name, list(baseline)), (fused_name, list(fused))):
+        timed = seconds[warmup_steps(len(seconds)) :]
+        spreads.append(Spread.of(timed))
+        if len(timed) < 3:
+            reasons.append(f"{name} has {len(timed)} timed step{'s' * (len(timed) != 1)}, too few to judge its noise")
+            continue
+        half = len(timed) // 2
+        early, late = statistics.median(timed[:half]), statistics.median(timed[half:])
+        if max(early, late) > DRIFT_RATIO * min(early, late):
+            reasons.append(
+                f"{name} had not settled: its first {half} timed steps ran at a median {early:.3g} s, the other "
+                f"{len(timed) - half} at {late:.3g} s (a long warm-up, or another process taking the CPU for a while)"
+            )
+    a, b = spreads
+    if not (a.count and b.count) or not (a.median > 0 and b.median > 0):
+        return SpeedVerdict(math.nan, "too noisy to call", tuple(reasons) or ("a run has no timed step",))
+    change = b.median / a.median - 1
+    difference = abs(b.median - a.median)
+    if a.count >= 3 and b.count >= 3:
+        for name, spread in ((baseline_name, a), (fused_name, b)):
+            if spread.p75 - spread.p25 > difference:
+                reasons.append(
+                    f"{name}'s middle half ({spread.p25:.3g}-{spread.p75:.3g} s) is wider than the difference "
+                    f"between the medians ({difference:.3g} s)"
+                )
+        if a.overlaps(b):
+            reasons.append("the two runs' middle halves overlap")
+    if reasons:
+        return SpeedVerdict(change, "too noisy to call", tuple(reasons))
+    return SpeedVerdict(change, "faster" if change < 0 else "slower", ())

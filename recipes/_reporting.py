@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 from pathlib import Path
 
 import datasets
 import torch
 from _cli import EMBEDDED_DATA
 from _loading import EMBEDDED_CONFIG, embedded_vocab
-from _measuring import MIB, RunResult, Spread, warmup_steps
+from _measuring import MIB, RunResult, Spread, speed_verdict, warmup_steps
 from transformers import PreTrainedTokenizerBase
 
 # The names of the two runs of --compare, in the table, the plot and compare.json.
@@ -98,23 +99,33 @@ def format_table(
 
 
 def speed_note(baseline: RunResult, fused: RunResult, baseline_label: str) -> str:
-    """What the speed rows cover, and the speed-up between the median steps in words."""
+    """What the speed rows cover, and the verdict of :func:`speed_verdict` in words: which run is faster, or that
+    the difference is within the runs' noise (and why), with what to do about it."""
     steps = len(fused.step_seconds)
     first = warmup_steps(steps) + 1
     covered = f"step {first}" if first == steps else f"steps {first}-{steps}"
     skipped = "" if first == 1 else " (warm-up left out)"
     note = f"time per step and tokens/s: medians over {covered}{skipped}; change: between the medians"
-    a, b = baseline.step_time, fused.step_time
-    if not (a.count and b.count) or not a.median > 0 or not b.median > 0:
-        return note
-    ratio = b.median / a.median
-    if ratio <= 1:
-        verdict = f"{FUSED}'s median step is {100 * (1 - ratio):.1f}% faster than {baseline_label}'s"
-    else:
-        verdict = f"{FUSED}'s median step is {100 * (ratio - 1):.1f}% slower than {baseline_label}'s"
-    if a.count > 1 and b.count > 1 and a.overlaps(b):
-        verdict += " (their middle halves overlap: within this machine's step-to-step noise)"
-    return f"{note}\nspeed: {verdict}"
+    verdict = speed_verdict(baseline.step_seconds, fused.step_seconds, baseline_label, FUSED)
+    if verdict.call != "too noisy to call":
+        a, b = baseline.step_time, fused.step_time
+        amount = f"{100 * abs(verdict.change):.1f}% {verdict.call}"
+        return (
+            f"{note}\nspeed: {FUSED}'s median step is {amount} than {baseline_label}'s, beyond both runs' "
+            f"step-to-step spread (middle halves {b.p25:.3g}-{b.p75:.3g} s and {a.p25:.3g}-{a.p75:.3g} s)"
+        )
+    change = pct_change(fused.step_time.median, baseline.step_time.median)
+    lines = [note, f"speed: too noisy to call{f' (the medians differ by {change})' if change else ''}:"]
+    lines += [f"  - {reason}" for reason in verdict.reasons]
+    loads = [r.load_average for r in (baseline, fused)]
+    if all(load is not None for load in loads):
+        cores = os.cpu_count() or 1
+        lines.append(
+            f"  - the machine's 1-minute load average at the end of each run: {loads[0]:.1f} and {loads[1]:.1f}, "
+            f"on {cores} CPU core{'s' * (cores != 1)} (this process counts in it)"
+        )
+    lines.append("  Rerun on an idle machine, or with more --max-steps, before reading a speed difference here.")
+    return "\n".join(lines)
 
 
 def plot_comparison(baseline: RunResult, fused: RunResult, baseline_label: str, title: str, path: Path) -> None:
@@ -151,6 +162,8 @@ def plot_comparison(baseline: RunResult, fused: RunResult, baseline_label: str, 
     if timed_max > 0:
         ax_time.set_ylim(0, timed_max * 1.15)  # a slow warm-up step may run off the top
     change = pct_change(fused.step_time.median, baseline.step_time.median)
+    if change and speed_verdict(baseline.step_seconds, fused.step_seconds).call == "too noisy to call":
+        change += ", too noisy to call"
     ax_time.set(
         xlabel="optimizer step",
         ylabel="seconds",
@@ -186,7 +199,7 @@ def describe(args: argparse.Namespace, tokenizer: PreTrainedTokenizerBase, datas
         EMBEDDED_CONFIG["hidden_size"],
         embedded_vocab(tokenizer),
     )
-    model = args.model or f"embedded Llama ({layers} layers, hidden {hidden}, vocab {vocab})"
+    model = args.model or f"a small Llama built from a config ({layers} layers, hidden {hidden}, vocab {vocab})"
     data = args.dataset or EMBEDDED_DATA.name
     device = "cuda" if torch.cuda.is_available() else f"cpu ({torch.get_num_threads()} threads)"
     return (

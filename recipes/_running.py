@@ -17,6 +17,7 @@ import importlib.util
 import json
 import logging
 import math
+import os
 import sys
 import warnings
 from collections.abc import Callable, Iterator
@@ -28,11 +29,12 @@ import datasets
 import torch
 from _cli import RECIPES_DIR
 from _loading import load_model, load_tokenizer, load_train_dataset
-from _measuring import MIB, RunResult, StepRecorder, peak_memory
+from _measuring import MIB, RunResult, StepRecorder, peak_memory, speed_verdict
 from _reporting import BASELINE, FUSED, describe, format_table, pct_change, plot_comparison
 from transformers import (
     PreTrainedModel,
     PreTrainedTokenizerBase,
+    PrinterCallback,
     ProgressCallback,
     Trainer,
     TrainerCallback,
@@ -71,16 +73,32 @@ class Recipe:
 
 
 class LossProgressBar(ProgressCallback):
-    """Trainer's tqdm bar, labelled with the run's name, showing the loss instead of printing each log."""
+    """Trainer's tqdm bar, labelled with the run's name, showing the loss instead of printing each log.
 
-    def __init__(self, label: str) -> None:
+    Where the bar's stream (stderr) is not a terminal (a log file, a pipe), a bar would pile its redraws into one
+    long line: the progress comes as a printed line every tenth of the run instead (``lines``)."""
+
+    def __init__(self, label: str, lines: bool | None = None) -> None:
         super().__init__()
         self.label = label
+        self.lines = not sys.stderr.isatty() if lines is None else lines
+        self._every = 1
 
     def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any):
+        if self.lines:
+            self._every = max(1, math.ceil(state.max_steps / 10))
+            return
         super().on_train_begin(args, state, control, **kwargs)
         if self.training_bar is not None:
             self.training_bar.set_description(self.label)
+
+    def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any):
+        if not self.lines:
+            super().on_step_end(args, state, control, **kwargs)
+
+    def on_prediction_step(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs):
+        if not self.lines:
+            super().on_prediction_step(args, state, control, **kwargs)
 
     def on_log(
         self,
@@ -90,8 +108,18 @@ class LossProgressBar(ProgressCallback):
         logs: dict[str, Any] | None = None,
         **kwargs: Any,
     ):
-        if self.training_bar is not None and logs and "loss" in logs:
+        if not logs or "loss" not in logs:
+            return
+        if self.training_bar is not None:
             self.training_bar.set_postfix(loss=f"{logs['loss']:.3f}", refresh=False)
+        elif self.lines and state.is_world_process_zero:
+            step = state.global_step
+            if step % self._every == 0 or step == state.max_steps or step == 1:
+                print(f"{self.label.strip()}: step {step}/{state.max_steps}, loss {logs['loss']:.3f}", flush=True)
+
+    def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any):
+        if self.training_bar is not None:
+            super().on_train_end(args, state, control, **kwargs)
 
 
 def fused_callback(args: argparse.Namespace) -> TrainerCallback:
@@ -134,9 +162,11 @@ def train_once(
     if _repeat_filter is not None:
         _repeat_filter.attach()  # loggers set up while the Trainer was built (DeepSpeed's)
     trainer.remove_callback(ProgressCallback)
+    trainer.remove_callback(PrinterCallback)  # the Trainer's own where disable_tqdm is set: each log as a dict
     trainer.add_callback(LossProgressBar(f"{name:>9}"))
     with peak_memory(trainer.model) as memory:
         trainer.train()
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     report_deepspeed(trainer)
     if save:
         trainer.save_model(str(output_dir))
@@ -151,6 +181,7 @@ def train_once(
         memory_method=memory["method"],
         last_metrics={k: v for k, v in last.items() if k in recipe.metrics},
         step_logs=[recorder.logs.get(step, {}) for step in steps],
+        load_average=load,
     )
     del trainer, model
     gc.collect()
@@ -237,9 +268,25 @@ def default_output_dir(recipe: Recipe, args: argparse.Namespace) -> Path:
     return Path("runs") / (f"{recipe.name}-compare" if args.compare else recipe.name)
 
 
+@contextmanager
+def bars_only_on_a_terminal() -> Iterator[None]:
+    """Within the block, transformers' own progress bars (saving a model's shards, ...) are off where stderr is
+    not a terminal: in a log file each redraw would join one long line. Restored on exit."""
+    from transformers.utils import logging as hf_logging
+
+    turn_off = not sys.stderr.isatty() and hf_logging.is_progress_bar_enabled()
+    if turn_off:
+        hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if turn_off:
+            hf_logging.enable_progress_bar()
+
+
 def run_recipe(recipe: Recipe, args: argparse.Namespace) -> int:
     """Train with the fused loss, or with ``--compare`` train twice and report the comparison."""
-    with warnings_once() as repeats:
+    with warnings_once() as repeats, bars_only_on_a_terminal():
         status = _run_recipe(recipe, args)
     if repeats.dropped:
         print(f"({repeats.dropped} repeats of logged library warnings not shown)", file=sys.stderr)
@@ -275,9 +322,10 @@ def _run_recipe(recipe: Recipe, args: argparse.Namespace) -> int:
     baseline, fused = results
     print()
     print(format_table(baseline, fused, recipe.baseline, metrics=recipe.metrics))
-    title = f"recipes/{recipe.name}.py --compare: {args.model or 'embedded Llama'}, {args.max_steps} steps"
+    title = f"recipes/{recipe.name}.py --compare: {args.model or 'a small Llama built from a config'}, {args.max_steps} steps"
     png, record = args.output_dir / "compare.png", args.output_dir / "compare.json"
     plot_comparison(baseline, fused, recipe.baseline, title, png)
+    verdict = speed_verdict(baseline.step_seconds, fused.step_seconds, recipe.baseline, FUSED)
     summary = {
         "recipe": recipe.name,
         "baseline": recipe.baseline,
@@ -286,6 +334,7 @@ def _run_recipe(recipe: Recipe, args: argparse.Namespace) -> int:
             "step_time_median": pct_change(fused.step_time.median, baseline.step_time.median),
             "tokens_per_second_median": pct_change(fused.tokens_per_second.median, baseline.tokens_per_second.median),
         },
+        "speed_verdict": {"call": verdict.call, "noise": list(verdict.reasons)},
         "runs": [{**dataclasses.asdict(r), **r.speed_summary()} for r in results],
     }
     record.write_text(json.dumps(summary, indent=1, allow_nan=True) + "\n", encoding="utf-8")

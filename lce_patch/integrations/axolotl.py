@@ -261,8 +261,10 @@ class LCEPatchPlugin(BasePlugin):
         if not is_enabled(cfg):
             return
         from lce_patch import apply_fused_lce
+        from lce_patch.models.patch import unannounced
 
-        apply_fused_lce(model, **options_from(cfg))
+        with unannounced():  # this line instead, through axolotl's logging
+            apply_fused_lce(model, **options_from(cfg))
         LOG.info(patched_line(model))
 
     def add_callbacks_pre_trainer(self, cfg: Any, model: Any) -> list:
@@ -270,7 +272,9 @@ class LCEPatchPlugin(BasePlugin):
             return []
         from lce_patch import FusedLCECallback
 
-        return [FusedLCECallback(**options_from(cfg))]
+        callback = FusedLCECallback(**options_from(cfg))
+        callback.announce = False  # post_model_load's line said it
+        return [callback]
 
     def post_trainer_create(self, cfg: Any, trainer: Any) -> None:
         # `kd_trainer: true`: axolotl's KD loss (top-K divergence and cross-entropy) through lce_patch's ops

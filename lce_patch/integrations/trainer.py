@@ -23,22 +23,31 @@ with :func:`lce_patch.fused_linear_log_probs` (see ``trl_preference.py``, ``trl_
 ``trl_a2po.py``); the experimental ``AsyncDistillationTrainer`` and ``ServerDistillationTrainer`` their loss with
 :func:`lce_patch.fused_linear_sparse_divergence` (see ``trl_sparse_distillation.py``); the experimental trainers
 left on TRL's path are warned about.
+
+When training starts the callback logs one line on the ``lce_patch`` logger, at the level the Trainer shows its
+warnings (WARNING unless transformers' verbosity is raised), on the main process only: the model, its
+architecture entry and softcap, the trainer and how its loss reaches the fused op, and the options.
 """
 
 from __future__ import annotations
 
 import functools
 import inspect
+import logging
 import warnings
 from typing import Any
 
 import torch
 from transformers import PreTrainedModel, Trainer, TrainerCallback
 
-from ..models import LCEOptions, apply_fused_lce, loss_only, unwrap_causal_lm
+from ..models import LCEOptions, apply_fused_lce, is_patched, loss_only, unwrap_causal_lm
+from ..models.adapters import fsdp1_inner
 from ..models.loss_options import EXTRA_OUTPUTS
+from ..models.patch import options_text, patch_summary, unannounced
 
 _WRAPPED_ATTR = "__lce_patch_wrapped__"
+
+logger = logging.getLogger(__name__)
 
 
 def _liger_fuses_the_loss(args: Any) -> bool:
@@ -85,11 +94,18 @@ class FusedLCECallback(TrainerCallback):
 
     Subclasses (e.g. for TRL trainers) extend :meth:`install_trainer_heads`, which runs at
     ``on_train_begin``, once the trainer has finished setting its model up.
+
+    When training starts it logs one line saying that the fused loss is on and how (see the module's notes);
+    ``announce = False`` on the instance leaves it out (the axolotl plugin logs its own).
     """
+
+    announce: bool = True
 
     def __init__(self, **options: Any) -> None:
         LCEOptions.from_kwargs(options)  # fail at construction on a bad option
         self.options = dict(options)
+        self._served_by: str | None = None  # how serve_trainer routed the trainer's own loss, in words
+        self._announced: set[int] = set()  # ids of the models whose line was logged
 
     def check_args(self, args: Any) -> None:
         """Refuse TrainingArguments that would bypass or break the fused loss."""
@@ -111,7 +127,8 @@ class FusedLCECallback(TrainerCallback):
         if model is None or not isinstance(unwrap_causal_lm(model), PreTrainedModel):
             return  # e.g. an FSDP1 wrapper at on_train_begin: what it wraps was patched at on_init_end
         if "_lce_patch_options" not in vars(unwrap_causal_lm(model)):  # an instance patch, not only a class one
-            apply_fused_lce(model, **self.options)
+            with unannounced():  # the callback's own line says it, when training starts
+                apply_fused_lce(model, **self.options)
 
     def install_trainer_heads(
         self, model: torch.nn.Module | None, args: Any = None, trainer: Trainer | None = None
@@ -196,15 +213,40 @@ class FusedLCECallback(TrainerCallback):
         if hasattr(trainer, "_compute_loss"):
             from .trl_distillation import serve_distillation_trainer
 
-            serve_distillation_trainer(trainer, self.options)  # TRL's DistillationTrainer: the fused divergence
+            # TRL's DistillationTrainer: the fused divergence
+            if serve_distillation_trainer(trainer, self.options):
+                self._served_by = "its distillation loss runs fused_linear_divergence"
         if hasattr(type(trainer), "generalized_jsd_loss"):
             from .trl_gkd import serve_gkd_trainer
 
-            serve_gkd_trainer(trainer, self.options)  # TRL's experimental GKDTrainer: the fused divergence
+            # TRL's experimental GKDTrainer: the fused divergence
+            if serve_gkd_trainer(trainer, self.options):
+                self._served_by = "its distillation loss runs fused_linear_divergence"
         if any(cls.__module__.startswith("trl.experimental.") for cls in type(trainer).__mro__):
-            from .trl_experimental import serve_experimental_trainer
+            from .trl_experimental import serve_experimental_trainer, warn_unserved_trainer
 
-            serve_experimental_trainer(trainer, self.options)  # ORPO, CPO, TPO, Online DPO: the fused log-probs
+            # ORPO, CPO, TPO, Online DPO, A2PO: the fused log-probs; async and server distillation: the sparse divergence
+            if serve_experimental_trainer(trainer, self.options):
+                self._served_by = "its loss runs lce_patch's fused ops"
+            elif warn_unserved_trainer(trainer):  # warned: it trains as without the callback
+                self._served_by = ""
+
+    def announce_line(self, model: torch.nn.Module | None, trainer: Trainer | None, trl_head: bool) -> str | None:
+        """The line logged when training starts: the model, the trainer and the path its loss takes to the fused
+        op, the options; None where the loss does not reach it (a warning said why) or the model is not patched."""
+        if model is None or self._served_by == "" or getattr(trainer, "compute_loss_func", None) is not None:
+            return None
+        model = fsdp1_inner(model)  # FSDP1 wraps the model before training starts
+        inner = unwrap_causal_lm(model)
+        if not isinstance(inner, PreTrainedModel) or not (trl_head or is_patched(inner)):
+            return None
+        if trl_head:
+            how = "TRL's fused LM head runs fused_linear_log_probs"
+        else:
+            how = self._served_by or "the model's forward runs fused_linear_cross_entropy"
+        options = options_text(LCEOptions.from_kwargs(self.options))
+        name = type(trainer).__name__ if trainer is not None else "the trainer"
+        return f"lce_patch: {name} trains {patch_summary(model)} with the fused loss ({how}); {options}"
 
     def on_init_end(self, args, state, control, model=None, **kwargs):
         self.check_args(args)
@@ -217,5 +259,15 @@ class FusedLCECallback(TrainerCallback):
         self.check_args(args)
         # TRL's head first: patching its forward from outside (a callback added after __init__)
         # would replace the head that SFTTrainer.compute_loss calls with fused_lm_head=True.
-        if not self.install_trainer_heads(model, args, _running_trainer(self)):
+        trainer = _running_trainer(self)
+        trl_head = self.install_trainer_heads(model, args, trainer)
+        if not trl_head:
             self.patch_model(model)  # a model built by model_init at train() was not there at on_init_end
+        if self.announce and model is not None and id(model) not in self._announced:
+            line = self.announce_line(model, trainer, trl_head)
+            if line is not None:
+                self._announced.add(id(model))
+                # where the Trainer shows its own warnings (transformers' verbosity, or log_level): main process only
+                level = args.get_process_log_level() if hasattr(args, "get_process_log_level") else logging.WARNING
+                shown = getattr(state, "is_world_process_zero", True) and level <= logging.WARNING
+                logger.log(logging.WARNING if shown else logging.DEBUG, line)

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import difflib
 import functools
+import logging
 import math
 import re
 import types
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -29,6 +33,11 @@ from .options import OPTIONS_ATTR, LCEOptions
 from .registry import REGISTRY, UNSUPPORTED, ArchSpec, HeadConfig, derived_spec
 
 _MISSING = object()
+
+logger = logging.getLogger(__name__)
+
+# Off while an integration that reports the patch itself (FusedLCECallback, the axolotl plugin) patches a model.
+_ANNOUNCE: contextvars.ContextVar[bool] = contextvars.ContextVar("lce_patch_announce", default=True)
 
 
 @functools.cache
@@ -255,6 +264,51 @@ def is_patched(model_or_model_type: Any) -> bool:
     return getattr(unwrap_causal_lm(model_or_model_type), OPTIONS_ATTR, None) is not None
 
 
+@contextlib.contextmanager
+def unannounced() -> Iterator[None]:
+    """Within the block, :func:`apply_fused_lce` does not log its line: for integrations that log their own."""
+    token = _ANNOUNCE.set(False)
+    try:
+        yield
+    finally:
+        _ANNOUNCE.reset(token)
+
+
+def options_text(opts: LCEOptions) -> str:
+    """The options in force as ``name=value`` pairs: ``chunk_size`` and ``backend`` always, the others where they
+    differ from their defaults."""
+    shown = {"chunk_size": "auto" if opts.chunk_size is None else opts.chunk_size, "backend": opts.backend}
+    for field in dataclasses.fields(opts):
+        value = getattr(opts, field.name)
+        if field.name not in shown and value != field.default:
+            shown[field.name] = value
+    return ", ".join(f"{name}={value}" for name, value in shown.items())
+
+
+def patch_summary(model: torch.nn.Module) -> str:
+    """What a patched model is, in words: its class (and the PEFT wrapper around it), the architecture entry its
+    head's logit transform comes from, and that transform (softcap, logit scale)."""
+    inner = unwrap_causal_lm(model)
+    spec = _spec_for(inner)
+    what = type(inner).__name__ + (f" in {type(model).__name__}" if inner is not model else "")
+    entry = f"architecture {spec.model_type!r}" if spec.registered else "unregistered, checked against its own loss"
+    head = spec.head_config(inner)
+    transform = "no softcap" if head.softcap is None else f"softcap {head.softcap:g}"
+    if head.logit_scale != 1.0:
+        transform += f", logit scale {head.logit_scale:g}"
+    return f"{what} ({entry}, {transform})"
+
+
+def _announce_level() -> int:
+    """WARNING, the level a script and a Trainer show by default; INFO on the processes of a process group but
+    the first, so that a launched job prints the line once."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
+        return logging.INFO
+    return logging.WARNING
+
+
 def apply_fused_lce(model_or_model_type: Any, **options: Any) -> Any:
     """Make training compute the causal-LM loss with the fused linear cross-entropy (no logits tensor).
 
@@ -269,10 +323,25 @@ def apply_fused_lce(model_or_model_type: Any, **options: Any) -> Any:
     ``return_predicted_tokens`` (calls that compute a loss also return ``lse``, per token, ``token_accuracy``, 0-d,
     and ``predicted_tokens``, each position's argmax, on their output). A call may pass
     ``token_weights`` (the labels' shape, each label's loss weight). Patching again replaces the options.
+
+    A patch that changes something (a model or class patched, or given other options) logs one line at WARNING,
+    the level a script shows by default, on the ``lce_patch`` logger, naming the model, its architecture entry,
+    its head's softcap and the options: ``logging.getLogger("lce_patch").setLevel(logging.ERROR)`` silences it.
+    ``FusedLCECallback`` logs its own line instead, when training starts.
     """
     opts = LCEOptions.from_kwargs(options)
     if isinstance(model_or_model_type, str):
-        return _patch_classes(model_or_model_type, opts)
+        classes = [cls for cls in _mapped_classes(model_or_model_type) if vars(cls).get(OPTIONS_ATTR) != opts]
+        patched = _patch_classes(model_or_model_type, opts)
+        if classes and _ANNOUNCE.get():
+            logger.log(
+                _announce_level(),
+                "lce_patch: patched the %s classes (%s): their models train with the fused linear cross-entropy; %s",
+                repr(model_or_model_type),
+                ", ".join(cls.__name__ for cls in patched),
+                options_text(opts),
+            )
+        return patched
     model = unwrap_causal_lm(model_or_model_type)
     if not isinstance(model, torch.nn.Module) or not hasattr(model, "config"):
         raise TypeError(
@@ -284,6 +353,7 @@ def apply_fused_lce(model_or_model_type: Any, **options: Any) -> Any:
     if opts.returns_extras:
         prepare_output_classes(unpatched(type(model).forward))
     newly_patched = OPTIONS_ATTR not in vars(model)
+    changed = vars(model).get(OPTIONS_ATTR) != opts
     if newly_patched:
         head = _output_embeddings(model)
         if head is None:
@@ -330,6 +400,13 @@ def apply_fused_lce(model_or_model_type: Any, **options: Any) -> Any:
                 model, f"the self-check failed on a test batch: {type(err).__name__}: {err}", self_checked=True
             ) from err
     setattr(model, OPTIONS_ATTR, opts)
+    if changed and _ANNOUNCE.get():
+        logger.log(
+            _announce_level(),
+            "lce_patch: patched %s: training calls with labels compute the fused linear cross-entropy; %s",
+            patch_summary(model_or_model_type),
+            options_text(opts),
+        )
     return model_or_model_type
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 import pytest
 import torch
@@ -342,3 +344,57 @@ def test_compute_loss_func_is_named_as_running_unfused(tmp_path):
             callbacks=[FusedLCECallback()],
         )
     trainer.train()  # trains, as unpatched (the Trainer hands the model no labels)
+
+
+def _lce_records(caplog) -> list:
+    return [record for record in caplog.records if record.name.startswith("lce_patch")]
+
+
+def test_one_line_says_the_fused_loss_is_on_when_training_starts(tmp_path, caplog):
+    with caplog.at_level(logging.DEBUG, logger="lce_patch"):
+        model = tiny_model("gemma2")
+        trainer = Trainer(
+            model=model, args=_args(tmp_path), train_dataset=_dataset(6, 0), callbacks=[FusedLCECallback()]
+        )
+        assert not _lce_records(caplog)  # patched at __init__, said when training starts
+        trainer.train()
+        trainer.train()  # once, however often the trainer trains
+    records = _lce_records(caplog)
+    assert [r.levelno for r in records] == [logging.WARNING]  # shown by default, as the Trainer's warnings are
+    softcap = model.config.final_logit_softcapping
+    assert records[0].getMessage() == (
+        f"lce_patch: Trainer trains Gemma2ForCausalLM (architecture 'gemma2', softcap {softcap:g}) with the fused "
+        "loss (the model's forward runs fused_linear_cross_entropy); chunk_size=auto, backend=auto"
+    )
+
+
+def test_the_line_follows_the_trainers_log_level_and_is_left_out_where_training_runs_unfused(tmp_path, caplog):
+    import transformers
+
+    verbosity = transformers.logging.get_verbosity()
+    try:
+        with caplog.at_level(logging.DEBUG, logger="lce_patch"):
+            trainer = Trainer(
+                model=tiny_model("qwen2"),
+                args=_args(tmp_path, log_level="error"),
+                train_dataset=_dataset(4, 0),
+                callbacks=[FusedLCECallback(chunk_size=8)],
+            )
+            trainer.train()
+    finally:
+        transformers.logging.set_verbosity(verbosity)  # the Trainer set it from log_level
+    records = _lce_records(caplog)
+    assert [r.levelno for r in records] == [logging.DEBUG]
+    assert records[0].getMessage().endswith("chunk_size=8, backend=auto")
+
+    caplog.clear()
+    with caplog.at_level(logging.DEBUG, logger="lce_patch"), pytest.warns(UserWarning, match="compute_loss_func"):
+        trainer = Trainer(
+            model=tiny_model("qwen2"),
+            args=_args(tmp_path),
+            train_dataset=_dataset(4, 0),
+            compute_loss_func=lambda outputs, labels, num_items_in_batch=None: outputs.logits.float().mean(),
+            callbacks=[FusedLCECallback()],
+        )
+        trainer.train()
+    assert not _lce_records(caplog)  # the warning says it runs unfused; no line says otherwise

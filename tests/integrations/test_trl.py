@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import logging
 import types
 import warnings
 
@@ -430,10 +431,23 @@ def assert_same_logs(theirs, ours, rtol):
 
 
 @pytest.mark.parametrize("kind", ["llama", "gemma2"])
-def test_sft_trainer_callback_matches_trl_head(tmp_path, kind):
+def test_sft_trainer_callback_matches_trl_head(tmp_path, kind, caplog):
     trl_trainer, theirs, s_theirs = train_sft(tmp_path / "trl", kind)
     assert s_theirs.theirs.call_count == 3 + 1 and s_theirs.ours.call_count == 0  # 3 steps, 1 eval batch
-    trainer, ours, s_ours = train_sft(tmp_path / "ours", kind, callbacks=[lce_callback()])
+    with caplog.at_level(logging.DEBUG, logger="lce_patch"):
+        trainer, ours, s_ours = train_sft(tmp_path / "ours", kind, callbacks=[lce_callback()])
+    # one line, at WARNING (shown by default), says that the fused loss is on and how
+    lines = [(r.levelno, r.getMessage()) for r in caplog.records if r.name.startswith("lce_patch")]
+    model = {"llama": "LlamaForCausalLM (architecture 'llama', no softcap)"}.get(
+        kind, "Gemma2ForCausalLM (architecture 'gemma2', softcap 0.7)"
+    )
+    assert lines == [
+        (
+            logging.WARNING,
+            f"lce_patch: SFTTrainer trains {model} with the fused loss (TRL's fused LM head runs "
+            "fused_linear_log_probs); chunk_size=auto, backend=auto",
+        )
+    ]
     # lce_patch's op ran every training step and eval batch; TRL's kernel never did
     assert s_ours.ours.call_count == 4 and s_ours.ours_fn.call_count == 4 and s_ours.theirs.call_count == 0
     assert any(entry["mean_token_accuracy"] > 0 for entry in ours) and all(entry["entropy"] > 0 for entry in ours[:3])

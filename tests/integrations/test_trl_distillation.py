@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import importlib
+import logging
 
 import pytest
 import torch
@@ -105,10 +106,18 @@ def op_calls(monkeypatch):
     [("llama", 0.5, False), ("llama", 0.0, False), ("llama", 1.0, False), ("gemma2", 0.5, False), ("llama", 0.5, True)],
     ids=["llama-0.5", "llama-0", "llama-1", "gemma2-softcap", "llama-lora"],
 )
-def test_logged_metrics_equal_trl_kernel(tokenizer, op_calls, tmp_path, student_kind, beta, peft):
+def test_logged_metrics_equal_trl_kernel(tokenizer, op_calls, tmp_path, student_kind, beta, peft, caplog):
     _, reference = _train(tokenizer, [], student_kind, beta, tmp_path=tmp_path / "trl", peft=peft)
     assert not op_calls
-    trainer, logs = _train(tokenizer, [FusedLCECallback()], student_kind, beta, tmp_path=tmp_path / "fused", peft=peft)
+    with caplog.at_level(logging.DEBUG, logger="lce_patch"):
+        trainer, logs = _train(
+            tokenizer, [FusedLCECallback()], student_kind, beta, tmp_path=tmp_path / "fused", peft=peft
+        )
+    # one line says so, naming the path the loss takes
+    lines = [(r.levelno, r.getMessage()) for r in caplog.records if r.name.startswith("lce_patch")]
+    assert len(lines) == 1 and lines[0][0] == logging.WARNING, lines
+    assert lines[0][1].startswith("lce_patch: DistillationTrainer trains ")
+    assert "with the fused loss (its distillation loss runs fused_linear_divergence)" in lines[0][1]
     assert len(op_calls) == 2  # one call per step (batch of 4, no gradient accumulation)
     assert len(logs) == len(reference) == 2
     for ours, theirs in zip(logs, reference):

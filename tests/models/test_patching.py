@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import logging
 
 import pytest
 import torch
@@ -10,6 +11,7 @@ from transformers import AutoConfig, AutoModel, AutoModelForSequenceClassificati
 
 import lce_patch
 from lce_patch.models import get_head_config, is_patched
+from lce_patch.models.patch import unannounced
 
 from .tiny import TINY_CONFIGS, VOCAB, assert_close, assert_grads_match, pair, tiny_config, tiny_model
 
@@ -463,3 +465,42 @@ def test_gradient_checkpointing():
     out.loss.backward()
     ref.loss.backward()
     assert_grads_match(model, reference)
+
+
+def test_a_patch_logs_one_line_naming_the_model_its_entry_softcap_and_options(caplog):
+    model = tiny_model("gemma2")
+    softcap = get_head_config(model).softcap
+    with caplog.at_level(logging.DEBUG, logger="lce_patch"):
+        lce_patch.apply_fused_lce(model)
+        lce_patch.apply_fused_lce(model)  # the same options: nothing changes, nothing logged
+        model.train()
+        ids = torch.randint(0, VOCAB, (2, 8))
+        for _ in range(2):
+            model(input_ids=ids, labels=ids).loss.backward()  # nor in training steps
+        lce_patch.apply_fused_lce(model, chunk_size=16, z_loss=1e-4)  # other options: a line saying which
+        with unannounced():
+            lce_patch.apply_fused_lce(model)
+    records = [r for r in caplog.records if r.name.startswith("lce_patch")]
+    assert [r.levelno for r in records] == [logging.WARNING, logging.WARNING]
+    said = "training calls with labels compute the fused linear cross-entropy"
+    assert records[0].getMessage() == (
+        f"lce_patch: patched Gemma2ForCausalLM (architecture 'gemma2', softcap {softcap:g}): {said}; "
+        "chunk_size=auto, backend=auto"
+    )
+    assert records[1].getMessage().endswith(f"{said}; chunk_size=16, backend=auto, z_loss=0.0001")
+    lce_patch.revert_fused_lce(model)
+
+
+def test_a_class_patch_logs_one_line(caplog):
+    try:
+        with caplog.at_level(logging.DEBUG, logger="lce_patch"):
+            lce_patch.apply_fused_lce("llama")
+            lce_patch.apply_fused_lce("llama")
+        records = [r for r in caplog.records if r.name.startswith("lce_patch")]
+        assert len(records) == 1 and records[0].levelno == logging.WARNING
+        assert records[0].getMessage().startswith("lce_patch: patched the 'llama' classes (LlamaForCausalLM")
+        assert (
+            records[0].getMessage().endswith("train with the fused linear cross-entropy; chunk_size=auto, backend=auto")
+        )
+    finally:
+        lce_patch.revert_fused_lce("llama")

@@ -62,7 +62,9 @@ def test_embedded_default_trains_and_saves(
     monkeypatch.chdir(tmp_path)
     assert _main(recipe)(tiny(recipe)) == 0
     out, err = capfd.readouterr()
-    assert "embedded Llama" in out and "loss" in out and "median" in out
+    assert "a small Llama built from a config" in out and "loss" in out and "median" in out
+    # stderr is not a terminal here: the progress comes as lines, not as a bar's redraws
+    assert "lce_patch: step 2/2, loss " in out and "\r" not in err
     saved = tmp_path / "runs" / recipe
     assert (saved / "config.json").is_file()
     assert (saved / "tokenizer.json").is_file()
@@ -91,7 +93,9 @@ def test_compare_prints_the_table_and_writes_the_plot(
     ):
         assert row in out
     assert "time per step and tokens/s: medians over step 2 (warm-up left out)" in out
-    assert "speed: lce_patch's median step is" in out
+    # one timed step per run: no spread to judge a difference by
+    assert "speed: too noisy to call" in out and "1 timed step, too few to judge its noise" in out
+    assert "baseline: step 2/2, loss " in out and "lce_patch: step 2/2, loss " in out and "\r" not in err
     assert not _repeated_warnings(err), _repeated_warnings(err)
     assert "Tried to track the number of tokens seen" not in err  # GRPO counts TRL's num_tokens instead
 
@@ -102,6 +106,7 @@ def test_compare_prints_the_table_and_writes_the_plot(
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     record = json.loads((out_dir / "compare.json").read_text())
     assert set(record["speed_change"]) == {"step_time_median", "tokens_per_second_median"}
+    assert record["speed_verdict"]["call"] == "too noisy to call" and record["speed_verdict"]["noise"]
     baseline, fused = record["runs"]
     for run in (baseline, fused):
         assert run["timed_steps"] == [2, 2]
@@ -172,12 +177,64 @@ def test_speed_is_reported_from_medians_not_means() -> None:
     assert rows["time per step (s), median"][-3:] == ["1.000", "0.700", "-30.0%"]
     assert rows["tokens/s, median"][-3:] == ["1,000", "1,429", "+42.9%"]
     assert "medians over steps 3-20 (warm-up left out)" in table
-    assert "speed: lce_patch's median step is 30.0% faster than TRL head's" in table
-    assert "overlap" not in table
+    assert "speed: lce_patch's median step is 30.0% faster than TRL head's, beyond both runs' step-to-step" in table
+    assert "too noisy" not in table
 
     noisy = _run_result("lce_patch", [9.0, 9.0] + [0.9, 1.2] * 9)
-    assert "10.0% faster than TRL head's" not in format_table(baseline, noisy, "TRL head", metrics=())
-    assert "(their middle halves overlap" in format_table(baseline, noisy, "TRL head", metrics=())
+    table = format_table(baseline, noisy, "TRL head", metrics=())
+    assert "faster than TRL head's" not in table
+    assert "speed: too noisy to call (the medians differ by +5.0%):" in table
+    assert "  - the two runs' middle halves overlap" in table
+    assert "Rerun on an idle machine" in table
+
+
+def test_speed_verdict_calls_a_difference_only_beyond_the_runs_noise() -> None:
+    """The verdict on two runs' step times: called when the medians differ by more than each run's middle half
+    and neither run drifted; too noisy to call otherwise, with the reasons."""
+    from _measuring import speed_verdict
+
+    warmup = [3.0, 2.0]  # left out
+    trl = warmup + [0.20, 0.21, 0.22] * 10
+    ours = warmup + [0.15, 0.16, 0.155] * 10
+    verdict = speed_verdict(trl, ours, "TRL head")
+    assert verdict.call == "faster" and verdict.reasons == ()
+    assert verdict.change == pytest.approx(0.155 / 0.21 - 1)
+    assert speed_verdict(ours, trl).call == "slower"
+
+    # A first run on a fresh machine: the baseline's first 22 steps at 3.3-5.2 s, then 0.2 s. Its median is
+    # still about 0.2 s, 30% slower than the fused run's, but the spread says nothing can be told.
+    first_run = [3.3 + 1.9 * (i % 5) / 4 for i in range(22)] + [0.20, 0.21, 0.22] * 12 + [0.20, 0.21]
+    verdict = speed_verdict(first_run, ours, "TRL head")
+    assert verdict.call == "too noisy to call"
+    assert -0.35 < verdict.change < -0.2
+    assert any(
+        r.startswith("TRL head had not settled: its first 29 timed steps ran at a median") for r in verdict.reasons
+    )
+    assert any(
+        r.startswith("TRL head's middle half (0.21-") and "wider than the difference" in r for r in verdict.reasons
+    )
+    assert not any(r.startswith("lce_patch") for r in verdict.reasons)
+
+    # A spread wider than the difference, the middle halves overlapping
+    verdict = speed_verdict(warmup + [1.0, 1.3] * 9, warmup + [0.9, 1.2] * 9)
+    assert verdict.call == "too noisy to call"
+    assert "the two runs' middle halves overlap" in verdict.reasons
+    assert "lce_patch's middle half (0.9-1.2 s) is wider than the difference between the medians (0.1 s)" in (
+        verdict.reasons
+    )
+
+    # A drift within the middle half's reach: slow second half (another process took the CPU)
+    drifting = warmup + [0.15] * 10 + [0.5] * 10
+    assert any("lce_patch had not settled" in r for r in speed_verdict(trl, drifting).reasons)
+
+    # Too few steps to judge
+    verdict = speed_verdict([1.0, 0.2], [1.0, 0.1])
+    assert verdict.call == "too noisy to call" and verdict.change == pytest.approx(-0.5)
+    assert verdict.reasons == (
+        "baseline has 1 timed step, too few to judge its noise",
+        "lce_patch has 1 timed step, too few to judge its noise",
+    )
+    assert speed_verdict([], []).call == "too noisy to call"
 
 
 def test_compare_plot_shows_loss_speed_and_memory(tmp_path: Path) -> None:
