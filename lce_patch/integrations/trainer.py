@@ -16,13 +16,9 @@ TRL trainers that score a reference model inside ``__init__`` (DPO and KTO with
 ``precompute_ref_log_probs=True``) have that pass served too: the callback wraps the trainer's
 ``_precompute_ref_logps`` at the end of ``Trainer.__init__``, on that trainer instance only.
 
-TRL's ``DistillationTrainer`` and experimental ``GKDTrainer`` compute their loss with
-:func:`lce_patch.fused_linear_divergence` (see ``trl_distillation.py``, ``trl_gkd.py``); the experimental
-``ORPOTrainer``, ``CPOTrainer``, ``TPOTrainer``, ``OnlineDPOTrainer`` and ``A2POTrainer`` their log-probabilities
-with :func:`lce_patch.fused_linear_log_probs` (see ``trl_preference.py``, ``trl_experimental.py``,
-``trl_a2po.py``); the experimental ``AsyncDistillationTrainer`` and ``ServerDistillationTrainer`` their loss with
-:func:`lce_patch.fused_linear_sparse_divergence` (see ``trl_sparse_distillation.py``); the experimental trainers
-left on TRL's path are warned about.
+Other trainers are served by the module the serving table (``lce_patch.integrations.serving``) names for their
+class: TRL's distillation trainers, its experimental ORPO, CPO, TPO, Online DPO and A2PO trainers (their loss or
+log-probabilities through lce_patch's ops), and a warning for the experimental trainers left on TRL's path.
 """
 
 from __future__ import annotations
@@ -37,8 +33,7 @@ from transformers import PreTrainedModel, Trainer, TrainerCallback
 
 from ..models import LCEOptions, apply_fused_lce, loss_only, unwrap_causal_lm
 from ..models.loss_options import EXTRA_OUTPUTS
-
-_WRAPPED_ATTR = "__lce_patch_wrapped__"
+from .serving import SERVED, find_row
 
 
 def _liger_fuses_the_loss(args: Any) -> bool:
@@ -127,14 +122,11 @@ class FusedLCECallback(TrainerCallback):
         if model is None:
             return False
         try:
-            from .trl import maybe_install_trl_head
+            from .trl.head import install_heads
         except ImportError:
             return False
-        ref_model = getattr(trainer, "ref_model", None)
-        if isinstance(ref_model, torch.nn.Module) and ref_model is not model:
-            maybe_install_trl_head(ref_model, dict(self.options))  # no gradient: nothing to precompute
         plain_nll = getattr(args, "loss_type", None) == "nll"
-        return maybe_install_trl_head(model, dict(self.options), precompute_grad=plain_nll)
+        return install_heads(model, getattr(trainer, "ref_model", None), self.options, precompute_grad=plain_nll)
 
     def check_trainer(self, trainer: Trainer | None) -> None:
         """Warn where the trainer bypasses the fused loss; refuse one that needs evaluation logits when
@@ -161,12 +153,13 @@ class FusedLCECallback(TrainerCallback):
     def serve_trainer(self, trainer: Trainer | None) -> None:
         """Wrap, on this trainer instance, the methods whose model calls the callback must steer: the
         evaluation step (logits only where the Trainer needs them) and TRL's reference-log-prob precompute
-        that runs inside ``__init__`` (served by lce_patch's head, installed just before it runs)."""
+        that runs inside ``__init__`` (served by lce_patch's head, installed just before it runs); then serve the
+        trainer through its row of the serving table, if it has one served here."""
         if trainer is None:
             return
         callback = self
         step = trainer.prediction_step
-        if not getattr(step, _WRAPPED_ATTR, False):
+        if getattr(step, SERVED, None) is None:
 
             @functools.wraps(step)
             def prediction_step(model, inputs, prediction_loss_only, *args, **kwargs):
@@ -181,30 +174,21 @@ class FusedLCECallback(TrainerCallback):
                 with loss_only(bool(prediction_loss_only)):
                     return step(model, inputs, prediction_loss_only, *args, **kwargs)
 
-            setattr(prediction_step, _WRAPPED_ATTR, True)
+            setattr(prediction_step, SERVED, step)
             trainer.prediction_step = prediction_step
         precompute = getattr(trainer, "_precompute_ref_logps", None)
-        if callable(precompute) and not getattr(precompute, _WRAPPED_ATTR, False):
+        if callable(precompute) and getattr(precompute, SERVED, None) is None:
 
             @functools.wraps(precompute)
             def precompute_ref_logps(*args, **kwargs):
                 callback.install_trainer_heads(trainer.model, trainer.args, trainer)
                 return precompute(*args, **kwargs)
 
-            setattr(precompute_ref_logps, _WRAPPED_ATTR, True)
+            setattr(precompute_ref_logps, SERVED, precompute)
             trainer._precompute_ref_logps = precompute_ref_logps
-        if hasattr(trainer, "_compute_loss"):
-            from .trl_distillation import serve_distillation_trainer
-
-            serve_distillation_trainer(trainer, self.options)  # TRL's DistillationTrainer: the fused divergence
-        if hasattr(type(trainer), "generalized_jsd_loss"):
-            from .trl_gkd import serve_gkd_trainer
-
-            serve_gkd_trainer(trainer, self.options)  # TRL's experimental GKDTrainer: the fused divergence
-        if any(cls.__module__.startswith("trl.experimental.") for cls in type(trainer).__mro__):
-            from .trl_experimental import serve_experimental_trainer
-
-            serve_experimental_trainer(trainer, self.options)  # ORPO, CPO, TPO, Online DPO: the fused log-probs
+        row = find_row(trainer)
+        if row is not None and row.when == "init":
+            row.load().serve(trainer, dict(self.options))
 
     def on_init_end(self, args, state, control, model=None, **kwargs):
         self.check_args(args)
