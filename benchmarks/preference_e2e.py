@@ -14,7 +14,7 @@ What each trainer runs per step (batch ``--batch-size`` preference pairs, or pro
   ``--seq-len`` tokens (BOS + prompt: ``--prompt-len``; completion + EOS: the rest), go through the model stacked in
   one batch; TRL's ``concatenated_forward`` takes the full ``[2B, seq_len, V]`` logits from the model's forward and
   reads from them the completion log-probabilities (and ORPO's NLL over every attended token of the chosen rows).
-  With the callback that method runs the backbone and one call of lce_patch's op (``trl_preference.py``).
+  With the callback that method runs the backbone and one call of lce_patch's op (``lce_patch/integrations/trl/preference.py``).
 - Online DPO: a reference model, a copy of the policy (TRL's default when no ``ref_model`` and no PEFT), and a
   python reward function (the number of distinct tokens of a completion: no download, no second big model). Each
   step samples 2 completions per prompt with ``generate`` (exactly ``--max-new-tokens`` tokens: ``min_new_tokens``
@@ -23,7 +23,7 @@ What each trainer runs per step (batch ``--batch-size`` preference pairs, or pro
   reference (without) on prompt + completion, ``--seq-len`` tokens in all. TRL's ``_forward`` calls the model for
   ``output.logits`` over every position of prompt + completion (``[2B, seq_len, V]``: the head's matmul and the
   logits are over the prompt too) and only then slices the completion's positions for its ``log_softmax``; with the
-  callback the op scores the completion's positions alone (``trl_experimental.py``). Generation is the same in both
+  callback the op scores the completion's positions alone (``lce_patch/integrations/trl/online_dpo.py``). Generation is the same in both
   setups (``generate`` builds one position's logits per new token) and its time is reported apart.
 
 Per setup: the median optimizer-step time over the steps after the first (a TrainerCallback, synchronized), the

@@ -16,13 +16,9 @@ TRL trainers that score a reference model inside ``__init__`` (DPO and KTO with
 ``precompute_ref_log_probs=True``) have that pass served too: the callback wraps the trainer's
 ``_precompute_ref_logps`` at the end of ``Trainer.__init__``, on that trainer instance only.
 
-TRL's ``DistillationTrainer`` and experimental ``GKDTrainer`` compute their loss with
-:func:`lce_patch.fused_linear_divergence` (see ``trl_distillation.py``, ``trl_gkd.py``); the experimental
-``ORPOTrainer``, ``CPOTrainer``, ``TPOTrainer``, ``OnlineDPOTrainer`` and ``A2POTrainer`` their log-probabilities
-with :func:`lce_patch.fused_linear_log_probs` (see ``trl_preference.py``, ``trl_experimental.py``,
-``trl_a2po.py``); the experimental ``AsyncDistillationTrainer`` and ``ServerDistillationTrainer`` their loss with
-:func:`lce_patch.fused_linear_sparse_divergence` (see ``trl_sparse_distillation.py``); the experimental trainers
-left on TRL's path are warned about.
+Other trainers are served by the module the serving table (``lce_patch.integrations.serving``) names for their
+class: TRL's distillation trainers, its experimental ORPO, CPO, TPO, Online DPO and A2PO trainers (their loss or
+log-probabilities through lce_patch's ops), and a warning for the experimental trainers left on TRL's path.
 
 When training starts the callback logs one line on the ``lce_patch`` logger, at the level the Trainer shows its
 warnings (WARNING unless transformers' verbosity is raised), on the main process only: the model, its
@@ -34,6 +30,7 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
+import re
 import warnings
 from typing import Any
 
@@ -44,8 +41,7 @@ from ..models import LCEOptions, apply_fused_lce, is_patched, loss_only, unwrap_
 from ..models.adapters import fsdp1_inner
 from ..models.loss_options import EXTRA_OUTPUTS
 from ..models.patch import options_text, patch_summary, unannounced
-
-_WRAPPED_ATTR = "__lce_patch_wrapped__"
+from .serving import SERVED, find_row
 
 logger = logging.getLogger(__name__)
 
@@ -144,14 +140,11 @@ class FusedLCECallback(TrainerCallback):
         if model is None:
             return False
         try:
-            from .trl import maybe_install_trl_head
+            from .trl.head import install_heads
         except ImportError:
             return False
-        ref_model = getattr(trainer, "ref_model", None)
-        if isinstance(ref_model, torch.nn.Module) and ref_model is not model:
-            maybe_install_trl_head(ref_model, dict(self.options))  # no gradient: nothing to precompute
         plain_nll = getattr(args, "loss_type", None) == "nll"
-        return maybe_install_trl_head(model, dict(self.options), precompute_grad=plain_nll)
+        return install_heads(model, getattr(trainer, "ref_model", None), self.options, precompute_grad=plain_nll)
 
     def check_trainer(self, trainer: Trainer | None) -> None:
         """Warn where the trainer bypasses the fused loss; refuse one that needs evaluation logits when
@@ -178,12 +171,13 @@ class FusedLCECallback(TrainerCallback):
     def serve_trainer(self, trainer: Trainer | None) -> None:
         """Wrap, on this trainer instance, the methods whose model calls the callback must steer: the
         evaluation step (logits only where the Trainer needs them) and TRL's reference-log-prob precompute
-        that runs inside ``__init__`` (served by lce_patch's head, installed just before it runs)."""
+        that runs inside ``__init__`` (served by lce_patch's head, installed just before it runs); then serve the
+        trainer through its row of the serving table, if it has one served here."""
         if trainer is None:
             return
         callback = self
         step = trainer.prediction_step
-        if not getattr(step, _WRAPPED_ATTR, False):
+        if getattr(step, SERVED, None) is None:
 
             @functools.wraps(step)
             def prediction_step(model, inputs, prediction_loss_only, *args, **kwargs):
@@ -198,38 +192,25 @@ class FusedLCECallback(TrainerCallback):
                 with loss_only(bool(prediction_loss_only)):
                     return step(model, inputs, prediction_loss_only, *args, **kwargs)
 
-            setattr(prediction_step, _WRAPPED_ATTR, True)
+            setattr(prediction_step, SERVED, step)
             trainer.prediction_step = prediction_step
         precompute = getattr(trainer, "_precompute_ref_logps", None)
-        if callable(precompute) and not getattr(precompute, _WRAPPED_ATTR, False):
+        if callable(precompute) and getattr(precompute, SERVED, None) is None:
 
             @functools.wraps(precompute)
             def precompute_ref_logps(*args, **kwargs):
                 callback.install_trainer_heads(trainer.model, trainer.args, trainer)
                 return precompute(*args, **kwargs)
 
-            setattr(precompute_ref_logps, _WRAPPED_ATTR, True)
+            setattr(precompute_ref_logps, SERVED, precompute)
             trainer._precompute_ref_logps = precompute_ref_logps
-        if hasattr(trainer, "_compute_loss"):
-            from .trl_distillation import serve_distillation_trainer
-
-            # TRL's DistillationTrainer: the fused divergence
-            if serve_distillation_trainer(trainer, self.options):
-                self._served_by = "its distillation loss runs fused_linear_divergence"
-        if hasattr(type(trainer), "generalized_jsd_loss"):
-            from .trl_gkd import serve_gkd_trainer
-
-            # TRL's experimental GKDTrainer: the fused divergence
-            if serve_gkd_trainer(trainer, self.options):
-                self._served_by = "its distillation loss runs fused_linear_divergence"
-        if any(cls.__module__.startswith("trl.experimental.") for cls in type(trainer).__mro__):
-            from .trl_experimental import serve_experimental_trainer, warn_unserved_trainer
-
-            # ORPO, CPO, TPO, Online DPO, A2PO: the fused log-probs; async and server distillation: the sparse divergence
-            if serve_experimental_trainer(trainer, self.options):
-                self._served_by = "its loss runs lce_patch's fused ops"
-            elif warn_unserved_trainer(trainer):  # warned: it trains as without the callback
-                self._served_by = ""
+        row = find_row(trainer)
+        if row is not None and row.when == "init":
+            if row.load().serve(trainer, dict(self.options)):
+                ops = " and ".join(re.findall(r"`(fused_[a-z_]+)`", row.how)) or "lce_patch's fused ops"
+                self._served_by = f"its loss runs {ops}"
+            elif row.serving is not None and row.serving.endswith(".unserved"):
+                self._served_by = ""  # warned: it trains as without the callback
 
     def announce_line(self, model: torch.nn.Module | None, trainer: Trainer | None, trl_head: bool) -> str | None:
         """The line logged when training starts: the model, the trainer and the path its loss takes to the fused

@@ -76,7 +76,7 @@ class Counters:
     def __init__(self) -> None:
         from axolotl.integrations.kd.kernels import liger
 
-        from lce_patch.integrations import axolotl_kd
+        from lce_patch.integrations.axolotl import kd as axolotl_kd
 
         self.counts = {"sparse_op": 0, "ce_op": 0, "liger_kd": 0}
         for name, key in (("fused_linear_sparse_divergence", "sparse_op"), ("fused_linear_cross_entropy", "ce_op")):
@@ -109,7 +109,7 @@ def train_once(config: dict, counters: Counters, label: str) -> dict:
     from axolotl.train import train
     from axolotl.utils.dict import DictDefault
 
-    from lce_patch.integrations.axolotl_kd import FusedKDLoss
+    from lce_patch.integrations.axolotl.kd import FusedKDLoss
     from lce_patch.models import unwrap_causal_lm
 
     print(MARK + label, flush=True)
@@ -165,7 +165,7 @@ def protocol_checks(trainer) -> dict:
     """Unserving restores axolotl's loss object, serving again replaces it, and a foreign one is refused."""
     import torch
 
-    from lce_patch.integrations.axolotl_kd import FusedKDLoss, serve_kd_trainer, unserve_kd_trainer
+    from lce_patch.integrations.axolotl.kd import FusedKDLoss, serve_kd_trainer, unserve_kd_trainer
 
     out = {"unserved": unserve_kd_trainer(trainer), "restored": type(trainer._kd_loss_fn).__name__}
     out["served_again"] = serve_kd_trainer(trainer) and isinstance(trainer._kd_loss_fn, FusedKDLoss)

@@ -8,64 +8,24 @@ runs happen once, in that environment; the tests here read what they measured.
 from __future__ import annotations
 
 import importlib.metadata
-import json
-import os
-import subprocess
 from pathlib import Path
 
 import pytest
 
+from tests.integrations.axolotl_helpers import log_sections, run_in_axolotl
+
 pytestmark = pytest.mark.slow  # the real axolotl, in its own environment: about two minutes
 
-REPO = Path(__file__).resolve().parents[2]
 RUNS = Path(__file__).with_name("axolotl_runs.py")
 TRAIN_STEPS, GRAD_ACCUM = 3, 2
-MARK = "@@ axolotl run: "  # axolotl_runs.py prints it and the run's name before each run
 PLUGIN_KEYS = (
     "lce_patch, lce_patch_chunk_size, lce_patch_backend, lce_patch_return_logits_in_eval, lce_patch_allow_unregistered"
 )
 
 
-def _axolotl_python() -> str | None:
-    configured = os.environ.get("LCE_PATCH_AXOLOTL_PYTHON")
-    if configured:
-        return configured
-    default = REPO / ".ci-deps" / "axolotl" / "bin" / "python"
-    return str(default) if default.exists() else None
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict:
-    python = _axolotl_python()
-    if python is None:
-        if os.environ.get("CI"):
-            pytest.fail("CI must run the axolotl checks: .ci/run builds .ci-deps/axolotl")
-        pytest.skip("no axolotl environment (.ci-deps/axolotl or LCE_PATCH_AXOLOTL_PYTHON)")
-    workdir = tmp_path_factory.mktemp("axolotl")
-    out = workdir / "runs.json"
-    # this checkout's lce_patch, whatever that environment has installed; axolotl's default log levels
-    env = {key: value for key, value in os.environ.items() if key not in ("AXOLOTL_LOG_LEVEL", "LOG_LEVEL")}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
-    proc = subprocess.run(
-        [python, str(RUNS), str(workdir), str(out)], capture_output=True, text=True, timeout=1200, cwd=workdir, env=env
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    results = json.loads(out.read_text())
-    assert not results["errors"], "\n".join(results["errors"].values())
-    results["output"] = proc.stdout  # where axolotl's console logging writes
-    return results
-
-
-def _log_sections(output: str) -> dict[str, list[str]]:
-    """Each run's lines of the runs' stdout, by the run's name."""
-    sections: dict[str, list[str]] = {}
-    lines: list[str] = []
-    for line in output.splitlines():
-        if line.startswith(MARK):
-            lines = sections.setdefault(line[len(MARK) :].strip(), [])
-        else:
-            lines.append(line)
-    return sections
+    return run_in_axolotl(RUNS, tmp_path_factory, "axolotl")
 
 
 @pytest.mark.parametrize(
@@ -146,7 +106,7 @@ DEFAULTS = "chunk_size=auto, backend=auto, return_logits_in_eval=auto, allow_unr
 )
 def test_patched_model_is_logged_at_axolotl_default_level(runs, name, expected):
     # at axolotl's default levels (INFO for axolotl's loggers, WARNING for the rest), through axolotl's own handler
-    sections = _log_sections(runs["output"])
+    sections = log_sections(runs["output"])
     lines = [line for line in sections[name] if "lce_patch: patched" in line]
     line = "lce_patch: patched " + expected.format("to train with the fused linear cross-entropy")
     assert len(lines) == 1, lines
@@ -154,7 +114,7 @@ def test_patched_model_is_logged_at_axolotl_default_level(runs, name, expected):
 
 
 def test_no_patched_line_without_the_plugin_or_with_it_off(runs):
-    sections = _log_sections(runs["output"])
+    sections = log_sections(runs["output"])
     quiet = [name for name in sections if name.endswith("/reference")] + ["gemma2_switched_off"]
     assert len(quiet) == 7
     for name in quiet:

@@ -4,14 +4,11 @@ environment (see axolotl_kd_runs.py and test_axolotl.py). The runs happen once; 
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 from pathlib import Path
 
 import pytest
 
-from tests.integrations.test_axolotl import REPO, _axolotl_python, _log_sections
+from tests.integrations.axolotl_helpers import log_sections, run_in_axolotl
 
 pytestmark = pytest.mark.slow  # the real axolotl, in its own environment: about a minute and a half
 
@@ -23,23 +20,7 @@ WITH_CE = {"llama_fkl_t2", "llama_jsd_topk", "gemma2_fkl"}  # kd_ce_alpha > 0
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict:
-    python = _axolotl_python()
-    if python is None:
-        if os.environ.get("CI"):
-            pytest.fail("CI must run the axolotl checks: .ci/run builds .ci-deps/axolotl")
-        pytest.skip("no axolotl environment (.ci-deps/axolotl or LCE_PATCH_AXOLOTL_PYTHON)")
-    workdir = tmp_path_factory.mktemp("axolotl_kd")
-    out = workdir / "runs.json"
-    env = {key: value for key, value in os.environ.items() if key not in ("AXOLOTL_LOG_LEVEL", "LOG_LEVEL")}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
-    proc = subprocess.run(
-        [python, str(RUNS), str(workdir), str(out)], capture_output=True, text=True, timeout=1200, cwd=workdir, env=env
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    results = json.loads(out.read_text())
-    assert not results["errors"], "\n".join(results["errors"].values())
-    results["output"] = proc.stdout
-    return results
+    return run_in_axolotl(RUNS, tmp_path_factory, "axolotl_kd")
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -78,7 +59,7 @@ def test_unserve_restores_axolotls_loss_and_a_foreign_loss_is_refused(runs):
 
 
 def test_served_runs_say_so_and_a_softcapped_model_is_warned_about(runs):
-    sections = _log_sections(runs["output"])
+    sections = log_sections(runs["output"])
     served = "[axolotl.integrations.lce_patch] lce_patch: axolotl's KD loss runs through fused_linear_sparse_divergence"
     for name in NAMES:
         assert sum(served in line for line in sections[f"{name}/fused"]) == 1, name

@@ -10,15 +10,12 @@ losses, the metrics and the weights are those of the run without the plugin.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 from pathlib import Path
 
 import pytest
 from packaging.version import Version
 
-from .test_axolotl import _axolotl_python, _log_sections
+from tests.integrations.axolotl_helpers import log_sections, run_in_axolotl
 
 pytestmark = pytest.mark.slow  # the real axolotl, in its own environment: about two minutes
 
@@ -40,23 +37,8 @@ NO_CALLS = {"cross_entropy": 0, "log_probs": 0}
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict:
-    python = _axolotl_python()
-    if python is None:
-        if os.environ.get("CI"):
-            pytest.fail("CI must run the axolotl checks: .ci/run builds .ci-deps/axolotl")
-        pytest.skip("no axolotl environment (.ci-deps/axolotl or LCE_PATCH_AXOLOTL_PYTHON)")
-    workdir = tmp_path_factory.mktemp("axolotl_rl")
-    out = workdir / "runs.json"
-    env = {key: value for key, value in os.environ.items() if key not in ("AXOLOTL_LOG_LEVEL", "LOG_LEVEL")}
-    repo = RUNS.parents[2]
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(repo), os.environ.get("PYTHONPATH")]))
-    proc = subprocess.run(
-        [python, str(RUNS), str(workdir), str(out)], capture_output=True, text=True, timeout=1200, cwd=workdir, env=env
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    results = json.loads(out.read_text())
-    assert not results["errors"], "\n".join(results["errors"].values())
-    results["sections"] = _log_sections(proc.stdout)
+    results = run_in_axolotl(RUNS, tmp_path_factory, "axolotl_rl")
+    results["sections"] = log_sections(results["output"])
     return results
 
 

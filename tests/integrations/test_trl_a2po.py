@@ -15,9 +15,11 @@ trl = pytest.importorskip("trl")
 datasets = pytest.importorskip("datasets")
 a2po = pytest.importorskip("trl.experimental.a2po")
 
+import lce_patch.ops as lce_ops  # noqa: E402
 from lce_patch import FusedLCECallback  # noqa: E402
-from lce_patch.integrations import trl_a2po, trl_experimental  # noqa: E402
+from lce_patch.integrations import serving  # noqa: E402
 from lce_patch.integrations.trl import TRLProtocolError  # noqa: E402
+from lce_patch.integrations.trl import a2po as trl_a2po  # noqa: E402
 from tests.integrations.test_trl_preference import _STEPS, _logs, _lora, _model, _words, assert_same_logs  # noqa: E402
 from tests.integrations.trl_helpers import VOCAB, make_tokenizer  # noqa: E402
 
@@ -77,13 +79,13 @@ def make_trainer(tmp_path, callbacks=(), kind="llama", peft=False, **config):
 @pytest.fixture
 def op_calls(monkeypatch):
     calls = []
-    original = trl_experimental._ops.fused_linear_log_probs
+    original = lce_ops.fused_linear_log_probs
 
     def counting(*args, **kwargs):
         calls.append(kwargs)
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(trl_experimental._ops, "fused_linear_log_probs", counting)
+    monkeypatch.setattr(lce_ops, "fused_linear_log_probs", counting)
     return calls
 
 
@@ -134,9 +136,9 @@ def test_serving_is_per_trainer_and_reversible(tmp_path):
     served = make_trainer(tmp_path / "a", [FusedLCECallback()])
     plain = make_trainer(tmp_path / "b")
     assert "_get_sequence_logps" in vars(served) and "_get_sequence_logps" not in vars(plain)
-    assert trl_a2po.serve_a2po_trainer(served, {})  # already served: nothing more
-    assert trl_experimental.unserve_experimental_trainer(served)
-    assert "_get_sequence_logps" not in vars(served) and not trl_a2po.unserve_a2po_trainer(served)
+    assert trl_a2po.serve(served, {})  # already served: nothing more
+    assert serving.unserve_trainer(served)
+    assert "_get_sequence_logps" not in vars(served) and not trl_a2po.unserve(served)
 
 
 def test_a_subclass_with_its_own_method_is_left_to_trl():
@@ -146,7 +148,7 @@ def test_a_subclass_with_its_own_method_is_left_to_trl():
 
     trainer = CustomA2PO.__new__(CustomA2PO)  # what serving inspects: the class and the instance's attributes
     with pytest.warns(UserWarning, match="overrides A2POTrainer's _get_sequence_logps"):
-        assert not trl_a2po.serve_a2po_trainer(trainer, {})
+        assert not trl_a2po.serve(trainer, {})
     assert "_get_sequence_logps" not in vars(trainer)
 
 

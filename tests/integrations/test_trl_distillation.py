@@ -16,8 +16,9 @@ distillation = pytest.importorskip("trl.trainer.distillation_trainer")
 from transformers import AutoModelForCausalLM, Gemma2Config, LlamaConfig  # noqa: E402
 
 from lce_patch import FusedLCECallback  # noqa: E402
-from lce_patch.integrations import trl_distillation  # noqa: E402
-from tests.integrations.trl_helpers import VOCAB, make_tokenizer  # noqa: E402
+from lce_patch.integrations.serving import SERVED  # noqa: E402
+from lce_patch.integrations.trl import distillation as trl_distillation  # noqa: E402
+from tests.integrations.trl_helpers import VOCAB, cpu_run, lora_config, make_tokenizer  # noqa: E402
 
 METRICS = ("loss", "grad_norm", "entropy")
 
@@ -53,25 +54,17 @@ def _train(tokenizer, callbacks, student_kind="llama", beta=0.5, tmp_path=None, 
         [{"prompt": " ".join(f"w{4 + (i * 7 + j) % 50}" for j in range(6))} for i in range(8)]
     )
     args = trl.DistillationConfig(
-        output_dir=str(tmp_path),
-        per_device_train_batch_size=4,
-        max_steps=2,
-        max_completion_length=12,
-        logging_steps=1,
-        report_to=[],
-        use_cpu=True,
-        save_strategy="no",
-        seed=0,
-        beta=beta,
-        learning_rate=1e-2,
-        disable_tqdm=True,
-        **config,
+        **cpu_run(
+            tmp_path,
+            per_device_train_batch_size=4,
+            max_steps=2,
+            max_completion_length=12,
+            beta=beta,
+            learning_rate=1e-2,
+            **config,
+        )
     )
-    peft_config = None
-    if peft:
-        from peft import LoraConfig
-
-        peft_config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+    peft_config = lora_config() if peft else None
     trainer = trl.DistillationTrainer(
         model=_model(student_kind, 32, 0),
         teacher_model=_model(student_kind, 48, 1),  # a wider teacher
@@ -117,7 +110,7 @@ def test_logged_metrics_equal_trl_kernel(tokenizer, op_calls, tmp_path, student_
     lines = [(r.levelno, r.getMessage()) for r in caplog.records if r.name.startswith("lce_patch")]
     assert len(lines) == 1 and lines[0][0] == logging.WARNING, lines
     assert lines[0][1].startswith("lce_patch: DistillationTrainer trains ")
-    assert "with the fused loss (its distillation loss runs fused_linear_divergence)" in lines[0][1]
+    assert "with the fused loss (its loss runs fused_linear_divergence)" in lines[0][1]
     assert len(op_calls) == 2  # one call per step (batch of 4, no gradient accumulation)
     assert len(logs) == len(reference) == 2
     for ours, theirs in zip(logs, reference):
@@ -130,11 +123,11 @@ def test_logged_metrics_equal_trl_kernel(tokenizer, op_calls, tmp_path, student_
 def test_serving_is_per_trainer_and_reversible(tokenizer, tmp_path):
     module = importlib.import_module("trl.trainer.distillation_trainer")
     installed = module._chunked_divergence_loss  # the dispatcher if a trainer of another test is still alive
-    original = getattr(installed, "__lce_patch_original__", installed)
+    original = getattr(installed, SERVED, installed)
     served, _ = _train(tokenizer, [FusedLCECallback()], tmp_path=tmp_path / "a")
     plain, _ = _train(tokenizer, [], tmp_path=tmp_path / "b")
     assert "_compute_loss" in vars(served) and "_compute_loss" not in vars(plain)
     assert module._chunked_divergence_loss is not original  # the dispatcher, TRL's own for the plain trainer
     gc.collect()  # the served trainers of other tests
-    assert trl_distillation.unserve_distillation_trainer(served)
+    assert trl_distillation.unserve(served)
     assert module._chunked_divergence_loss is original and "_compute_loss" not in vars(served)

@@ -9,9 +9,9 @@ datasets = pytest.importorskip("datasets")
 gkd = pytest.importorskip("trl.experimental.gkd")
 
 from lce_patch import FusedLCECallback  # noqa: E402
-from lce_patch.integrations import trl_gkd  # noqa: E402
+from lce_patch.integrations.trl import gkd as trl_gkd  # noqa: E402
 from tests.integrations.test_trl_distillation import _model  # noqa: E402
-from tests.integrations.trl_helpers import make_tokenizer  # noqa: E402
+from tests.integrations.trl_helpers import cpu_run, lora_config, make_tokenizer  # noqa: E402
 
 METRICS = ("loss", "grad_norm")
 CHAT_TEMPLATE = "{% for message in messages %}{{ message['content'] }} {% endfor %}"
@@ -35,26 +35,18 @@ def _dataset(uneven: bool = True):
 
 def _train(tokenizer, callbacks, tmp_path, student_kind="llama", beta=0.5, peft=False, **config):
     args = gkd.GKDConfig(
-        output_dir=str(tmp_path),
-        per_device_train_batch_size=2,
-        gradient_accumulation_steps=2,
-        max_steps=2,
-        lmbda=0.0,  # the dataset's completions (no on-policy sampling): the same batches in both runs
-        beta=beta,
-        logging_steps=1,
-        report_to=[],
-        use_cpu=True,
-        save_strategy="no",
-        seed=0,
-        learning_rate=1e-2,
-        disable_tqdm=True,
-        **config,
+        **cpu_run(
+            tmp_path,
+            per_device_train_batch_size=2,
+            gradient_accumulation_steps=2,
+            max_steps=2,
+            lmbda=0.0,  # the dataset's completions (no on-policy sampling): the same batches in both runs
+            beta=beta,
+            learning_rate=1e-2,
+            **config,
+        )
     )
-    peft_config = None
-    if peft:
-        from peft import LoraConfig
-
-        peft_config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+    peft_config = lora_config() if peft else None
     trainer = gkd.GKDTrainer(
         # float64: the divergence of two random models is small (~4e-3 nats), a difference of log-probabilities of
         # size ~4, so fp32 rounding alone moves it by ~1e-4 relative; in float64 both losses agree to 1e-9
@@ -108,8 +100,8 @@ def test_serving_is_per_trainer_and_reversible(tokenizer, tmp_path):
     served, _ = _train(tokenizer, [FusedLCECallback()], tmp_path / "a")
     plain, _ = _train(tokenizer, [], tmp_path / "b")
     assert "compute_loss" in vars(served) and "compute_loss" not in vars(plain)
-    assert trl_gkd.unserve_gkd_trainer(served)
-    assert "compute_loss" not in vars(served) and not trl_gkd.unserve_gkd_trainer(served)
+    assert trl_gkd.unserve(served)
+    assert "compute_loss" not in vars(served) and not trl_gkd.unserve(served)
 
 
 def test_a_subclass_with_its_own_loss_is_left_alone(tokenizer, tmp_path):

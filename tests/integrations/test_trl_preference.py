@@ -23,9 +23,11 @@ cpo = pytest.importorskip("trl.experimental.cpo")
 tpo = pytest.importorskip("trl.experimental.tpo")
 online_dpo = pytest.importorskip("trl.experimental.online_dpo")
 
+import lce_patch.ops as lce_ops  # noqa: E402
 from lce_patch import FusedLCECallback  # noqa: E402
-from lce_patch.integrations import trl_experimental, trl_preference  # noqa: E402
-from lce_patch.integrations.trl import TRLProtocolError  # noqa: E402
+from lce_patch.integrations import serving  # noqa: E402
+from lce_patch.integrations.trl import TRLProtocolError, unserved  # noqa: E402
+from lce_patch.integrations.trl import preference as trl_preference  # noqa: E402
 from tests.integrations.trl_helpers import VOCAB, make_model, make_tokenizer  # noqa: E402
 
 _TIMING_KEYS = ("runtime", "samples_per_second", "steps_per_second", "model_preparation_time")
@@ -125,13 +127,13 @@ def make_trainer(name, tmp_path, callbacks=(), kind="llama", peft_config=None, e
 @pytest.fixture
 def op_calls(monkeypatch):
     calls = []
-    original = trl_preference._ops.fused_linear_log_probs
+    original = lce_ops.fused_linear_log_probs
 
     def counting(*args, **kwargs):
         calls.append(kwargs)
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(trl_preference._ops, "fused_linear_log_probs", counting)
+    monkeypatch.setattr(lce_ops, "fused_linear_log_probs", counting)
     return calls
 
 
@@ -268,9 +270,9 @@ def test_serving_is_per_trainer_and_reversible(tmp_path):
     served = make_trainer("cpo", tmp_path / "a", [FusedLCECallback()])
     plain = make_trainer("cpo", tmp_path / "b")
     assert "concatenated_forward" in vars(served) and "concatenated_forward" not in vars(plain)
-    assert trl_preference.serve_preference_trainer(served, {})  # already served: nothing more
-    assert trl_preference.unserve_preference_trainer(served)
-    assert "concatenated_forward" not in vars(served) and not trl_preference.unserve_preference_trainer(served)
+    assert trl_preference.serve(served, {})  # already served: nothing more
+    assert trl_preference.unserve(served)
+    assert "concatenated_forward" not in vars(served) and not trl_preference.unserve(served)
     assert type(served).concatenated_forward is cpo.CPOTrainer.concatenated_forward
 
 
@@ -307,10 +309,11 @@ def test_trainers_left_on_trl_path_are_warned_about_once():
         return type(name, (), {"__module__": module})()
 
     sdft = trainer_of("trl.experimental.sdft.sdft_trainer", "SDFTTrainer")
-    trl_experimental._warned.discard("SDFTTrainer")
+    unserved._warned.discard("SDFTTrainer")
+    assert serving.find_row(sdft).serving == unserved.__name__
     with pytest.warns(UserWarning, match="SDFTTrainer computes its loss from the full"):
-        assert trl_experimental.serve_experimental_trainer(sdft, {}) is False
+        assert serving.serve_trainer(sdft, {}) is False
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert trl_experimental.warn_unserved_trainer(sdft)  # already warned for this class: silent
-        assert not trl_experimental.warn_unserved_trainer(trainer_of("trl.experimental.gkd.gkd_trainer", "GKDTrainer"))
+        assert unserved.serve(sdft, {}) is False  # already warned for this class: silent
+        assert not unserved.serve(trainer_of("trl.experimental.gkd.gkd_trainer", "GKDTrainer"), {})

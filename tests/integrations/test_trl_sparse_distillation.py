@@ -27,8 +27,10 @@ server_module = pytest.importorskip("trl.experimental.server_distillation.server
 async_module = pytest.importorskip("trl.experimental.async_distillation.async_distillation_trainer")
 
 from lce_patch import FusedLCECallback  # noqa: E402
-from lce_patch.integrations import trl_sparse_distillation as sparse  # noqa: E402
+from lce_patch.integrations.serving import SERVED  # noqa: E402
 from lce_patch.integrations.trl import TRLProtocolError  # noqa: E402
+from lce_patch.integrations.trl import async_distillation as async_serving  # noqa: E402
+from lce_patch.integrations.trl import server_distillation as server_serving  # noqa: E402
 from tests.integrations.test_trl_distillation import _model  # noqa: E402
 from tests.integrations.trl_helpers import VOCAB, make_tokenizer  # noqa: E402
 
@@ -49,13 +51,14 @@ def _no_gpu_peak_flops(monkeypatch):
 @pytest.fixture
 def op_calls(monkeypatch):
     calls = []
-    original = sparse.fused_linear_sparse_divergence
+    original = async_serving.fused_linear_sparse_divergence
 
     def counting(*args, **kwargs):
         calls.append(kwargs)
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(sparse, "fused_linear_sparse_divergence", counting)
+    for module in (async_serving, server_serving):
+        monkeypatch.setattr(module, "fused_linear_sparse_divergence", counting)
     return calls
 
 
@@ -154,7 +157,7 @@ def test_server_distillation_logs_equal_trl(tokenizer, monkeypatch, op_calls, tm
     trainer, logs, wide = _train_server(
         tokenizer, monkeypatch, tmp_path / "fused", [FusedLCECallback()], kind, peft, **config
     )
-    assert getattr(vars(trainer)["compute_loss"], sparse._SERVED_ATTR)
+    assert getattr(vars(trainer)["compute_loss"], SERVED)
     assert len(op_calls) == 2 and not wide  # one op call per step, no [B, T, V] head output
     assert not any(call.get("fp32_logits") for call in op_calls)  # TRL's loss reads the model's own logits
     assert len(logs) == len(reference) == 2
@@ -264,13 +267,13 @@ def test_async_distillation_loss_grads_and_metrics_equal_trl(
 ):
     trainer = _async_trainer(tokenizer, tmp_path, [FusedLCECallback()], kind, teachers, peft, teacher_top_k=4, **config)
     trainer.current_gradient_accumulation_steps = 2
-    assert getattr(vars(trainer)["_compute_loss"], sparse._SERVED_ATTR)
+    assert getattr(vars(trainer)["_compute_loss"], SERVED)
     batch = _rollout_batch(trainer, top_k=4)
     loss, grads, metrics = _loss_and_grads(trainer, batch)
     assert len(op_calls) == 1 and op_calls[0]["reduction"] == ("none" if len(teachers) > 1 else "sum")
     # TRL's chunked loss takes fp32 logits and dW: the served op is asked for the same precision
     assert op_calls[0]["fp32_logits"] and op_calls[0]["fp32_weight_grad"]
-    assert sparse.unserve_sparse_distillation_trainer(trainer)
+    assert async_serving.unserve(trainer)
     assert "_compute_loss" not in vars(trainer)
     reference, reference_grads, reference_metrics = _loss_and_grads(trainer, batch)
     assert len(op_calls) == 1  # TRL's own function this time
@@ -294,10 +297,10 @@ def test_async_dispatcher_is_per_trainer_and_reversible(tokenizer, tmp_path, op_
         trainer.current_gradient_accumulation_steps = 1
         trainer.compute_loss(trainer.model, _rollout_batch(trainer, top_k=4))
     assert len(op_calls) == 1  # the plain trainer ran TRL's function through the dispatcher
-    assert hasattr(module._chunked_jsd_loss, "__lce_patch_original__")
-    assert sparse.unserve_sparse_distillation_trainer(served)
-    assert not hasattr(module._chunked_jsd_loss, "__lce_patch_original__")  # the last served trainer is gone
-    assert not sparse.unserve_sparse_distillation_trainer(plain)
+    assert hasattr(module._chunked_jsd_loss, SERVED)
+    assert async_serving.unserve(served)
+    assert not hasattr(module._chunked_jsd_loss, SERVED)  # the last served trainer is gone
+    assert not async_serving.unserve(plain)
 
 
 def test_unknown_trl_code_raises(tokenizer, tmp_path, monkeypatch):
@@ -308,4 +311,4 @@ def test_unknown_trl_code_raises(tokenizer, tmp_path, monkeypatch):
 
     monkeypatch.setattr(async_module, "_chunked_jsd_loss", changed)
     with pytest.raises(TRLProtocolError, match="_chunked_jsd_loss has the parameters"):
-        sparse.serve_async_distillation_trainer(trainer, {})
+        async_serving.serve(trainer, {})

@@ -171,14 +171,15 @@ def test_trainer_metrics_match_trl_head(model_paths, tmp_path, case, peft):
 
 def test_reference_model_head_is_served(model_paths, tmp_path):
     """The reference model's forward is lce_patch's after training begins, and TRL's before."""
-    from lce_patch.integrations.trl import _head_path, _is_ours, _target
+    from lce_patch.integrations.trl import find_trl_head
+    from lce_patch.integrations.trl.head import is_head_served
 
     trainer = make_trainer("dpo", model_paths["llama"], [lce_callback()], output_dir=str(tmp_path))
-    assert not _is_ours(_target(_head_path(trainer.ref_model)[-1]))
+    assert find_trl_head(trainer.ref_model) is not None and not is_head_served(trainer.ref_model)
     with spies():
         trainer.train()
-    assert _is_ours(_target(_head_path(trainer.ref_model)[-1]))
-    assert _is_ours(_target(_head_path(trainer.model)[-1]))
+    assert is_head_served(trainer.ref_model)
+    assert is_head_served(trainer.model)
 
 
 @pytest.mark.parametrize("name, column", [("dpo", "ref_chosen_logps"), ("kto", "ref_logps")])

@@ -1,5 +1,5 @@
-"""Shared pieces of the TRL integration tests: tiny models, a word-level tokenizer built offline, spies
-on lce_patch's op and on TRL's chunked kernel."""
+"""Shared pieces of the TRL integration tests: tiny models, a word-level tokenizer built offline, the training
+arguments every CPU run shares, a LoRA config, spies on lce_patch's op and on TRL's chunked kernel."""
 
 from __future__ import annotations
 
@@ -71,6 +71,30 @@ def make_tokenizer():
     backend.pre_tokenizer = pre_tokenizers.Whitespace()
     return PreTrainedTokenizerFast(
         tokenizer_object=backend, pad_token="<pad>", eos_token="<eos>", bos_token="<bos>", unk_token="<unk>"
+    )
+
+
+def cpu_run(output_dir, **overrides) -> dict:
+    """The arguments of a TRL config that every CPU test run shares (logging each step, no saving, no report, seed
+    0), with ``overrides``."""
+    common = dict(
+        output_dir=str(output_dir),
+        use_cpu=True,
+        report_to=[],
+        save_strategy="no",
+        logging_steps=1,
+        seed=0,
+        disable_tqdm=True,
+    )
+    return {**common, **overrides}
+
+
+def lora_config(**overrides):
+    """A small LoRA on the attention's q and v projections (no dropout: runs with and without lce_patch draw alike)."""
+    from peft import LoraConfig
+
+    return LoraConfig(
+        **{"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"], "lora_dropout": 0.0, **overrides}
     )
 
 

@@ -402,8 +402,8 @@ def test_class_patch_with_class_weights():
 def test_trainer_and_trl_integrations():
     """The callback keeps lse / token_accuracy / predicted_tokens out of the Trainer's predictions; TRL's fused head, whose loss
     the patched forward does not compute, refuses the options."""
+    from lce_patch.integrations.shared import log_prob_options as _op_kwargs
     from lce_patch.integrations.trainer import _ignoring_extra_outputs
-    from lce_patch.integrations.trl import _op_kwargs
 
     config = types.SimpleNamespace(keys_to_ignore_at_inference=["past_key_values"])
     trainer = types.SimpleNamespace(model=types.SimpleNamespace(config=config))

@@ -3,16 +3,18 @@
 ``GKDTrainer.compute_loss`` (TRL 1.16, ``trl.experimental.gkd``) runs the student and the teacher for their full
 ``[B, T, V]`` logits and calls ``generalized_jsd_loss(student_logits[:, :-1], teacher_logits[:, :-1],
 labels=labels[:, 1:], beta=self.beta, num_items_in_batch=...)`` (temperature 1: the trainer's ``temperature`` is the
-sampling one). :func:`serve_gkd_trainer` replaces ``compute_loss`` on one trainer instance with the same loss from
+sampling one). :func:`serve` replaces ``compute_loss`` on one trainer instance with the same loss from
 both models' last hidden states and heads, a chunk of tokens at a time: the backbones run as TRL's
 ``DistillationTrainer`` runs them (``base_model`` of the causal LM, PEFT unwrapped), each head's weight is read
 inside its module's call (FSDP/ZeRO-3 gather it there), and the whole loss runs inside the student wrapper's
 forward (TRL's forward redirection), so DDP prepares its gradient reduction as for a plain forward. Softcap and
 logit scale come from lce_patch's registry for each model. Evaluation that needs the logits
-(``return_outputs=True``) keeps TRL's method. :func:`unserve_gkd_trainer` restores it.
+(``return_outputs=True``) keeps TRL's method. :func:`unserve` restores it.
 
 A subclass that overrides ``compute_loss`` or ``generalized_jsd_loss`` is left to TRL (with a warning): its loss
-is not the one replicated here.
+is not the one replicated here. The loss runs without accelerate's autocast, in the models' own dtype (as it always
+has here; TRL's own ``compute_loss`` calls the models, whose forward accelerate runs in autocast under mixed
+precision).
 """
 
 from __future__ import annotations
@@ -23,30 +25,14 @@ from typing import Any
 
 import torch
 
-from ..models import get_head_config, unwrap_causal_lm
-from ..models.head import head_call
-from ..ops import fused_linear_divergence
-from .trl_distillation import divergence_options
+from ...models import get_head_config, head_call, unwrap_causal_lm
+from ...ops import fused_linear_divergence
+from ..serving import base_class
+from ..shared import divergence_options, function, is_served, replace_method, restore_method, run_in_forward
 
-__all__ = ["serve_gkd_trainer", "unserve_gkd_trainer"]
+__all__ = ["gkd_loss", "serve", "unserve"]
 
-_SERVED_ATTR = "__lce_patch_gkd__"
-
-
-def _gkd_class() -> type | None:
-    try:
-        from trl.experimental.gkd import GKDTrainer
-    except ImportError:
-        return None
-    return GKDTrainer
-
-
-def _forward_redirection():
-    try:
-        from trl.models.utils import _ForwardRedirection
-    except ImportError:  # pragma: no cover (TRL without it: call the loss directly)
-        return None
-    return _ForwardRedirection()
+_GKD = ("trl.experimental.gkd.gkd_trainer", "GKDTrainer")
 
 
 def _last_hidden_state(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
@@ -100,20 +86,20 @@ def gkd_loss(
     return head_call(teacher_head, with_teacher_head, teacher_hidden)
 
 
-def serve_gkd_trainer(trainer: Any, options: dict[str, Any]) -> bool:
+def serve(trainer: Any, options: dict[str, Any]) -> bool:
     """Serve ``trainer`` (a TRL ``GKDTrainer``) with the fused op; returns whether it is served.
 
     ``options``: ``chunk_size``, ``backend`` and ``fp32_weight_grad`` of :func:`lce_patch.fused_linear_divergence`
     (others ignored); the logits stay in the compute dtype, as in TRL's loss on the model's logits.
     """
-    gkd = _gkd_class()
-    if gkd is None or not isinstance(trainer, gkd):
+    gkd = base_class(trainer, *_GKD)
+    if gkd is None:
         return False
     method = trainer.compute_loss
-    if getattr(method, _SERVED_ATTR, False):
+    if is_served(method):
         return True
     cls = type(trainer)
-    if cls.compute_loss is not gkd.compute_loss or cls.generalized_jsd_loss is not gkd.generalized_jsd_loss:
+    if any(function(cls, name) is not function(gkd, name) for name in ("compute_loss", "generalized_jsd_loss")):
         warnings.warn(
             f"lce_patch: {cls.__name__} overrides GKDTrainer's compute_loss or generalized_jsd_loss; it keeps its "
             "own (unfused) loss.",
@@ -121,27 +107,19 @@ def serve_gkd_trainer(trainer: Any, options: dict[str, Any]) -> bool:
         )
         return False
     op_options = divergence_options(options)
-    redirect = _forward_redirection()
 
     @functools.wraps(method)
     def compute_loss(model, inputs, return_outputs=False, num_items_in_batch=None):
         if return_outputs:  # evaluation that keeps the student's outputs (logits): TRL's own loss
             return method(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
-        student = trainer.accelerator.unwrap_model(model)
         teacher = trainer.accelerator.unwrap_model(trainer.teacher_model)
-        arguments = (student, teacher, inputs, trainer.beta, num_items_in_batch, op_options)
-        if redirect is None or student is model:
-            return gkd_loss(*arguments)
-        return redirect(model, student, gkd_loss, *arguments)
+        arguments = (teacher, inputs, trainer.beta, num_items_in_batch, op_options)
+        return run_in_forward(trainer, model, gkd_loss, *arguments, autocast=False)
 
-    setattr(compute_loss, _SERVED_ATTR, True)
-    trainer.compute_loss = compute_loss
+    replace_method(trainer, "compute_loss", compute_loss)
     return True
 
 
-def unserve_gkd_trainer(trainer: Any) -> bool:
-    """Undo :func:`serve_gkd_trainer` on ``trainer``; returns whether it was served."""
-    if not getattr(vars(trainer).get("compute_loss"), _SERVED_ATTR, False):
-        return False
-    del trainer.compute_loss
-    return True
+def unserve(trainer: Any) -> bool:
+    """Undo :func:`serve` on ``trainer``; returns whether it was served."""
+    return restore_method(trainer, "compute_loss")

@@ -3,31 +3,32 @@
 TRL 1.16's ``DistillationTrainer._compute_loss`` runs both backbones, then calls the module function
 ``trl.trainer.distillation_trainer._chunked_divergence_loss(student_hidden_states, teacher_hidden_states,
 student_lm_head_weight, teacher_lm_head_weight, completion_mask, beta, ...)``, which returns the loss, the sum
-of the student's per-token entropy and the number of valid tokens. :func:`serve_distillation_trainer` wraps
+of the student's per-token entropy and the number of valid tokens. :func:`serve` wraps
 ``_compute_loss`` on one trainer instance; while that call runs (in that thread), the function answers through
 lce_patch's op with the same arguments and results.
 
 The module function is looked up as a global by TRL's method, so it is replaced, once, by a dispatcher that
-calls TRL's own function in every other call (other trainers, other threads; :class:`~lce_patch.integrations.
+calls TRL's own function in every other call (other trainers, other threads; :class:`~lce_patch.integrations.trl.
 redirect.FunctionRedirect`): nothing changes for a trainer that is not served.
-:func:`unserve_distillation_trainer` unwraps the instance; the dispatcher is removed with the last served trainer. Detection is by feature: the function's parameter names must be the known ones, else
-the trainer is left to TRL's kernel with a warning.
+:func:`unserve` unwraps the instance; the dispatcher is removed with the last served trainer. Detection is by
+feature: the function's parameter names must be the known ones, else the trainer is left to TRL's kernel with a
+warning.
 """
 
 from __future__ import annotations
 
-import importlib
 import inspect
 import warnings
 from typing import Any
 
 import torch
 
-from ..ops import fused_linear_divergence
-from ..ops.core.grads import fp32_output_gemm_available
+from ...ops import fused_linear_divergence
+from ..serving import base_class
+from ..shared import divergence_options
 from .redirect import FunctionRedirect
 
-__all__ = ["serve_distillation_trainer", "unserve_distillation_trainer"]
+__all__ = ["serve", "unserve"]
 
 _MODULE = "trl.trainer.distillation_trainer"
 _FUNCTION = "_chunked_divergence_loss"
@@ -107,45 +108,19 @@ def _fused_divergence_loss(
     return loss, entropy_sum, valid.sum()
 
 
-_REDIRECT = FunctionRedirect(_MODULE, _FUNCTION, _fused_divergence_loss, "__lce_patch_distillation__")
+_REDIRECT = FunctionRedirect(_MODULE, _FUNCTION, _fused_divergence_loss)
 
 
-def divergence_options(options: dict[str, Any], *, fp32_logits: bool = False) -> dict[str, Any]:
-    """The options of the divergence ops among a callback's: ``chunk_size``, ``backend`` when it asks for the
-    PyTorch one, ``fp32_weight_grad`` (the cross-entropy op's other options do not apply).
-
-    ``fp32_logits``: the TRL code replaced takes the logits in fp32 (its chunked kernels: the GEMMs' fp32 output,
-    dW accumulated in fp32), so the op runs with ``fp32_logits`` and ``fp32_weight_grad`` to keep TRL's gradient
-    precision (docs: the op page, "Precision of the distillation ops at bf16"); without it, TRL's loss reads bf16
-    logits, as the op's default."""
-    op_options = {key: options[key] for key in ("chunk_size",) if options.get(key) is not None}
-    if options.get("backend") == "torch":
-        op_options["backend"] = "torch"
-    if fp32_logits:
-        op_options["fp32_weight_grad"] = True
-        # torch before 2.8 has no fp32-output GEMM on CUDA: bf16 logits there (TRL's kernel upcasts its operands)
-        if fp32_output_gemm_available(torch.device("cuda")):
-            op_options["fp32_logits"] = True
-    elif options.get("fp32_weight_grad"):
-        op_options["fp32_weight_grad"] = True
-    return op_options
-
-
-def serve_distillation_trainer(trainer: Any, options: dict[str, Any]) -> bool:
+def serve(trainer: Any, options: dict[str, Any]) -> bool:
     """Serve ``trainer`` (a TRL ``DistillationTrainer``) with the fused op; returns whether it is served.
 
     ``options``: ``chunk_size`` and ``backend`` of :func:`lce_patch.fused_linear_divergence` (others ignored); the op
     runs with fp32 logits and an fp32-accumulated dW, the precision of the TRL kernel it replaces.
     """
-    method = getattr(trainer, "_compute_loss", None)
-    if method is None or _REDIRECT.is_served(method):
-        return _REDIRECT.is_served(method)
-    try:
-        module = importlib.import_module(_MODULE)
-    except ImportError:
+    if base_class(trainer, _MODULE, "DistillationTrainer") is None:
         return False
-    if not isinstance(trainer, module.DistillationTrainer):
-        return False
+    if _REDIRECT.is_served(trainer._compute_loss):
+        return True
     original = _REDIRECT.original()
     names = tuple(inspect.signature(original).parameters) if callable(original) else ()
     if names != _KNOWN_PARAMETERS:
@@ -160,6 +135,6 @@ def serve_distillation_trainer(trainer: Any, options: dict[str, Any]) -> bool:
     return True
 
 
-def unserve_distillation_trainer(trainer: Any) -> bool:
-    """Undo :func:`serve_distillation_trainer` on ``trainer``; returns whether it was served."""
+def unserve(trainer: Any) -> bool:
+    """Undo :func:`serve` on ``trainer``; returns whether it was served."""
     return _REDIRECT.unserve(trainer, "_compute_loss")

@@ -1,4 +1,4 @@
-"""An axolotl plugin: the fused loss from two lines of YAML.
+"""The axolotl plugin (``lce_patch.integrations.axolotl.LCEPatchPlugin``): the fused loss from two lines of YAML.
 
     plugins:
       - lce_patch.integrations.axolotl.LCEPatchPlugin
@@ -11,7 +11,7 @@ the ``lce_patch*`` keys below are validated with axolotl's own. The plugin then
 - hands the trainer a :class:`~lce_patch.FusedLCECallback`, which serves axolotl's trainer the way it serves
   ``transformers.Trainer`` (evaluation logits exactly where the Trainer needs them; TRL >= 1.15 heads);
 - with ``kd_trainer: true``, computes axolotl's KD loss with lce_patch's ops (``post_trainer_create``; see
-  ``axolotl_kd.py``).
+  ``kd.py``).
 
 The plugin is also registered under the ``axolotl.plugins`` entry point (axolotl >= 0.21 loads those without
 a ``plugins:`` line), so it does nothing unless it is on: ``lce_patch: true``, or ``lce_patch`` unset and the
@@ -38,13 +38,17 @@ from axolotl.integrations.base import BasePlugin
 from axolotl.utils.logging import get_logger
 from pydantic import BaseModel, Field, model_validator
 
-__all__ = ["LCEPatchArgs", "LCEPatchPlugin"]
+from ..serving import ROWS
+
+__all__ = ["PACKAGE", "LCEPatchArgs", "LCEPatchPlugin", "is_enabled", "options_from", "patched_line"]
+
+PACKAGE = "lce_patch.integrations.axolotl"  # where users name the plugin (it exports this module's classes)
 
 # Under `axolotl`: axolotl's logging config (axolotl.logging_config) shows INFO from `axolotl.*` loggers only
 # (AXOLOTL_LOG_LEVEL); any other logger's INFO is dropped unless LOG_LEVEL is lowered for every library.
 LOG = get_logger("axolotl.integrations.lce_patch")
 
-PLUGIN_NAMES = (f"{__name__}.LCEPatchPlugin", f"{__name__}:LCEPatchPlugin")
+PLUGIN_NAMES = (f"{PACKAGE}.LCEPatchPlugin", f"{PACKAGE}:LCEPatchPlugin")
 
 # axolotl keys that put another loss in the model's place (each patches the loss or the forward itself)
 _OTHER_LOSSES = {
@@ -173,11 +177,11 @@ def _trl_has_fused_heads() -> bool:
     return True
 
 
-# `rl:` modes whose trainer derives from TRL's experimental ORPOTrainer or CPOTrainer: FusedLCECallback computes
-# their log-probabilities with the fused op on any TRL whose methods it recognises (TRL 1.9 and 1.16 checked), and
-# raises when the trainer is built with a TRL it does not. DPO, IPO, KTO and GRPO are fused through TRL's
-# fused-LM-head protocol, which TRL 1.15 introduced.
-_EXPERIMENTAL_RL = {"orpo": "trl.experimental.orpo", "simpo": "trl.experimental.cpo"}
+# `rl:` modes whose trainer derives from one of TRL's experimental trainers served by FusedLCECallback (ORPOTrainer,
+# CPOTrainer: their log-probabilities through the fused op on any TRL whose methods it recognises, TRL 1.9 and 1.16
+# checked; it raises when the trainer is built with a TRL it does not), each with the package that trainer lives in;
+# from the serving table. DPO, IPO, KTO and GRPO are fused through TRL's fused-LM-head protocol (TRL >= 1.15).
+_EXPERIMENTAL_RL = {mode: row.module.rsplit(".", 1)[0] for row in ROWS for mode in row.axolotl_rl}
 
 
 def _has_module(name: str) -> bool:
@@ -254,7 +258,7 @@ class LCEPatchPlugin(BasePlugin):
     """axolotl plugin: patch the loaded model with :func:`lce_patch.apply_fused_lce` and serve the trainer."""
 
     def get_input_args(self) -> str:
-        return f"{__name__}.LCEPatchArgs"
+        return f"{PACKAGE}.LCEPatchArgs"
 
     def post_model_load(self, cfg: Any, model: Any) -> None:
         # After adapters are attached; axolotl also calls this for a separately loaded reference model.
@@ -280,7 +284,7 @@ class LCEPatchPlugin(BasePlugin):
         # `kd_trainer: true`: axolotl's KD loss (top-K divergence and cross-entropy) through lce_patch's ops
         if not is_enabled(cfg) or not cfg.get("kd_trainer"):
             return
-        from .axolotl_kd import serve_kd_trainer
+        from .kd import serve_kd_trainer
 
         if serve_kd_trainer(trainer, options_from(cfg), warn=LOG.warning):
             LOG.info("lce_patch: axolotl's KD loss runs through fused_linear_sparse_divergence and the fused CE")

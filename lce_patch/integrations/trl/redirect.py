@@ -1,4 +1,5 @@
-"""A TRL module-level function answered by lce_patch for the trainers it serves, and by TRL for every other call.
+"""A TRL module-level function answered by lce_patch for the trainers it serves, and by TRL for every other call
+(TRL's ``DistillationTrainer`` and ``AsyncDistillationTrainer``).
 
 Some TRL trainers compute their loss by calling a function of their module (``_chunked_divergence_loss``,
 ``_chunked_jsd_loss``), looked up as a global when their method runs. :class:`FunctionRedirect` replaces that
@@ -17,20 +18,22 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-_ORIGINAL_ATTR = "__lce_patch_original__"
+from ..serving import SERVED
+
+__all__ = ["FunctionRedirect"]
 
 
 class FunctionRedirect:
     """``module_name.function_name`` answered by ``fused(*args, options=..., **kwargs)`` for served trainers.
 
-    ``served_attr``: the attribute that marks a served method (and tells the trainer's other wrappers apart).
+    The served methods and the dispatcher carry the marker :data:`~lce_patch.integrations.serving.SERVED`, whose
+    value is what they stand in for (the dispatcher's: TRL's function).
     """
 
-    def __init__(self, module_name: str, function_name: str, fused: Callable[..., Any], served_attr: str) -> None:
+    def __init__(self, module_name: str, function_name: str, fused: Callable[..., Any]) -> None:
         self.module_name = module_name
         self.function_name = function_name
         self.fused = fused
-        self.served_attr = served_attr
         self._state = threading.local()  # .options: the options of the served call running in this thread
         self._lock = threading.Lock()
         self._served: weakref.WeakSet = weakref.WeakSet()  # the trainers served now
@@ -38,10 +41,11 @@ class FunctionRedirect:
     def original(self) -> Any:
         """TRL's own function (None where the module has none); an ``ImportError`` if the module is missing."""
         current = getattr(importlib.import_module(self.module_name), self.function_name, None)
-        return getattr(current, _ORIGINAL_ATTR, current)
+        return getattr(current, SERVED, current)
 
     def is_served(self, method: Any) -> bool:
-        return bool(getattr(method, self.served_attr, False))
+        """Whether ``method`` (a trainer's method) is one that :meth:`serve` put in place."""
+        return getattr(method, SERVED, None) is not None
 
     def serve(self, trainer: Any, method_name: str, options: dict[str, Any]) -> None:
         """Wrap ``trainer``'s ``method_name`` (on the instance) so that its calls of the function are answered by
@@ -57,11 +61,11 @@ class FunctionRedirect:
             finally:
                 self._state.options = previous
 
-        setattr(served, self.served_attr, True)
+        setattr(served, SERVED, method)
         with self._lock:
             module = importlib.import_module(self.module_name)
             current = getattr(module, self.function_name)
-            if not hasattr(current, _ORIGINAL_ATTR):
+            if not hasattr(current, SERVED):
                 setattr(module, self.function_name, self._dispatcher(current))
             self._served.add(trainer)
         setattr(trainer, method_name, served)
@@ -75,8 +79,8 @@ class FunctionRedirect:
             self._served.discard(trainer)
             module = importlib.import_module(self.module_name)
             current = getattr(module, self.function_name)
-            if not self._served and hasattr(current, _ORIGINAL_ATTR):
-                setattr(module, self.function_name, getattr(current, _ORIGINAL_ATTR))
+            if not self._served and hasattr(current, SERVED):
+                setattr(module, self.function_name, getattr(current, SERVED))
         return True
 
     def _dispatcher(self, original: Callable[..., Any]) -> Callable[..., Any]:
@@ -87,5 +91,5 @@ class FunctionRedirect:
                 return original(*args, **kwargs)
             return self.fused(*args, **kwargs, options=options)
 
-        setattr(dispatch, _ORIGINAL_ATTR, original)
+        setattr(dispatch, SERVED, original)
         return dispatch

@@ -1,4 +1,5 @@
-"""TRL's fused-LM-head protocol (TRL >= 1.15), served by this package's op.
+"""TRL's fused-LM-head protocol (TRL >= 1.15), served by this package's op: SFT, DPO, KTO, GRPO, RLOO and the
+trainers built on them.
 
 Since TRL 1.15 every TRL trainer (SFT, DPO, GRPO, KTO, RLOO) calls ``trl.trainer.utils.add_fused_lm_head`` on the
 policy, which rebinds the *instance* ``model.forward`` with TRL's ``_fused_forward``, and then calls
@@ -14,6 +15,10 @@ Detection is by feature, not by version: the forward's code object is named ``_f
 ``trl.`` module; its closure holds the variables ``add_fused_lm_head`` captures (the wrapped forward, the requested
 ``outputs``, ``temperature``, ...); its signature and TRL's ``FusedCausalLMOutput`` fields are the known ones. Anything
 else TRL installed on the forward raises :class:`TRLProtocolError`, naming the TRL version and what is unrecognised.
+
+As a serving module (``lce_patch.integrations.serving``), :func:`serve` serves the fused heads on a trainer's
+policy and reference model, and :func:`unserve` puts TRL's back. ``FusedLCECallback`` serves them at
+``on_train_begin`` (TRL installs its head after ``Trainer.__init__``) for any trainer whose model carries one.
 """
 
 from __future__ import annotations
@@ -26,16 +31,26 @@ import warnings
 from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
-from .. import ops as _ops
-from ..models import LCEOptions, get_head_config, head_call, unwrap_causal_lm
+from ... import ops as _ops
+from ...models import LCEOptions, get_head_config, head_call, unwrap_causal_lm
+from ..serving import SERVED
+from ..shared import IGNORE_INDEX, log_prob_options
+from .protocol import TRLProtocolError, trl_version
 
-__all__ = ["TRLProtocolError", "find_trl_head", "maybe_install_trl_head", "remove_trl_head"]
-
-_IGNORE_INDEX = -100  # TRL's fused head hard-codes it
+__all__ = [
+    "find_trl_head",
+    "install_heads",
+    "is_head_served",
+    "load_balancing_loss",
+    "maybe_install_trl_head",
+    "remove_trl_head",
+    "serve",
+    "unserve",
+]
 
 # What `add_fused_lm_head` (TRL 1.15-1.16) closes over, and the shape of the forward it installs
 _REQUIRED_FREEVARS = frozenset(
@@ -64,35 +79,12 @@ _OUTPUT_FIELDS = (
 )
 # Per-token outputs TRL can request (this module computes each of them)
 _TRL_OUTPUTS = frozenset({"log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1"})
-# Options of `apply_fused_lce` / `FusedLCECallback` that reach the op here; the rest configure the model patch
-_OP_OPTIONS = ("backend", "chunk_size")
-# Options that would change the loss TRL asked for: allowed only at their neutral value
-_NEUTRAL_OPTIONS = {"label_smoothing": 0.0, "z_loss": 0.0, "ignore_index": _IGNORE_INDEX}
 _MAX_WRAPPER_DEPTH = 16
-_RECORD_ATTR = "__lce_trl_head__"
 
 
-class TRLProtocolError(RuntimeError):
-    """TRL installed a fused LM head whose protocol this version of lce_patch does not recognise."""
-
-
-def _trl_version() -> str:
-    try:
-        from importlib.metadata import version
-
-        return version("trl")
-    except Exception:  # noqa: BLE001 - only for the message
-        try:
-            import trl
-
-            return str(getattr(trl, "__version__", "unknown"))
-        except Exception:  # noqa: BLE001
-            return "unknown"
-
-
-def _fail(what: str) -> None:
+def _fail(what: str) -> NoReturn:
     raise TRLProtocolError(
-        f"lce_patch does not recognise the fused LM head installed by TRL {_trl_version()}: {what}. "
+        f"lce_patch does not recognise the fused LM head installed by TRL {trl_version()}: {what}. "
         "lce_patch implements the protocol of TRL 1.15-1.16 (`add_fused_lm_head`, `model(..., fused_lm_head=True)` "
         "-> `FusedCausalLMOutput`). Upgrade lce_patch, pin a TRL it supports, or train without FusedLCECallback "
         "(TRL's own fused head then computes the loss)."
@@ -126,7 +118,7 @@ def _looks_like_a_trl_head(fn: Any) -> bool:
 
 
 def _is_ours(fn: Any) -> bool:
-    return inspect.isfunction(fn) and isinstance(getattr(fn, _RECORD_ATTR, None), _Install)
+    return inspect.isfunction(fn) and isinstance(getattr(fn, SERVED, None), _Install)
 
 
 def _target(node: Any) -> Any:
@@ -272,24 +264,6 @@ class _Install:
     installed_forward: Any = None  # the instance forward the install set
 
 
-def _op_kwargs(options: dict[str, Any]) -> dict[str, Any]:
-    # the model-level loss options of the patched forward: TRL's losses are computed from its own forward
-    for name in ("class_weights", "return_lse", "return_token_accuracy", "return_predicted_tokens"):
-        if options.get(name) is not None and options.get(name) is not False:
-            raise ValueError(
-                f"lce_patch: option {name} cannot apply under TRL's fused LM head, whose loss the trainer computes "
-                "from per-token log-probabilities (the patched model's forward, which honours it, is not called); "
-                "leave it unset"
-            )
-    for name, neutral in _NEUTRAL_OPTIONS.items():
-        if name in options and options[name] != neutral:
-            raise ValueError(
-                f"lce_patch: option {name}={options[name]!r} cannot apply under TRL's fused LM head, whose loss is "
-                f"the plain negative log-likelihood with ignore index {_IGNORE_INDEX}; leave it at {neutral!r}"
-            )
-    return {k: options[k] for k in _OP_OPTIONS if options.get(k) is not None}
-
-
 def _same(a: float | None, b: float | None) -> bool:
     if a is None or b is None:
         return a is None and b is None
@@ -310,7 +284,7 @@ def _make_forward(
             "own forward); the losses will differ from TRL's.",
             stacklevel=3,
         )
-    op_kwargs = _op_kwargs(options)
+    op_kwargs = log_prob_options(options)
     wanted = {
         "return_entropy": "entropy" in protocol.outputs,
         "return_is_top1": "is_top1" in protocol.outputs,
@@ -342,7 +316,7 @@ def _make_forward(
                 weight,
                 labels,
                 bias=bias,
-                ignore_index=_IGNORE_INDEX,
+                ignore_index=IGNORE_INDEX,
                 softcap=softcap,
                 logit_scale=logit_scale,
                 temperature=temperature,
@@ -375,7 +349,7 @@ def _make_forward(
         # the op counts inside its operator instead (reading the count here would break the graph).
         if skip_ignored and not torch.compiler.is_compiling():
             targets = labels if shift_labels is None else shift_labels
-            read_valid_count = _ops.start_valid_token_count(targets, _IGNORE_INDEX, shift=shift_labels is None)
+            read_valid_count = _ops.start_valid_token_count(targets, IGNORE_INDEX, shift=shift_labels is None)
         kwargs["use_cache"] = False
         if getattr(text_config, "output_router_logits", False):
             kwargs.setdefault("output_router_logits", True)
@@ -395,7 +369,7 @@ def _make_forward(
 
         aux_loss = None
         if kwargs.get("output_router_logits"):
-            aux_loss = _load_balancing_loss(self, text_config, backbone_outputs, kwargs.get("attention_mask"))
+            aux_loss = load_balancing_loss(self, text_config, backbone_outputs, kwargs.get("attention_mask"))
             loss = loss + getattr(text_config, "router_aux_loss_coef", 0.0) * aux_loss
         return output_class(
             loss=loss,
@@ -411,8 +385,11 @@ def _make_forward(
     return _lce_fused_forward
 
 
-def _load_balancing_loss(model, text_config, backbone_outputs, attention_mask):
-    """The MoE auxiliary loss exactly as TRL 1.16's `_fused_forward` computes it."""
+def load_balancing_loss(
+    model: torch.nn.Module, text_config: Any, backbone_outputs: Any, attention_mask: torch.Tensor | None
+) -> torch.Tensor:
+    """The MoE router's auxiliary loss (a 0-d tensor) exactly as TRL 1.16's `_fused_forward` computes it from the
+    backbone's ``router_logits``."""
     import transformers
     from packaging.version import Version
     from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
@@ -532,12 +509,22 @@ def maybe_install_trl_head(
         protocol = _read_protocol(_target(trl_node))
         ours = _make_forward(owner, protocol, options, precompute_grad)
         record = _Install(protocol, trl_node=trl_node, previous_forward=path[0])
-        setattr(ours, _RECORD_ATTR, record)
+        setattr(ours, SERVED, record)
         new_top = _rebuilt(path, ours)
         record.installed_forward = new_top
         our_node = types.MethodType(ours, trl_node.__self__) if inspect.ismethod(trl_node) else ours
         _set_forward(owner, new_top, trl_node, our_node)
     return installed
+
+
+def is_head_served(model: torch.nn.Module) -> bool:
+    """Whether the fused head on ``model`` (or on the causal LM under its PEFT wrapper) is lce_patch's; False where
+    it is TRL's own or there is none."""
+    for owner in _candidates(model):
+        path = _head_path(owner)
+        if path is not None:
+            return _is_ours(_target(path[-1]))
+    return False
 
 
 def remove_trl_head(model: torch.nn.Module) -> bool:
@@ -547,9 +534,44 @@ def remove_trl_head(model: torch.nn.Module) -> bool:
         path = _head_path(owner)
         if path is None or not _is_ours(_target(path[-1])):
             continue
-        record: _Install = getattr(_target(path[-1]), _RECORD_ATTR)
+        record: _Install = getattr(_target(path[-1]), SERVED)
         # exactly what was there, unless something wrapped the forward since; then swap the innermost node only
         new_top = record.previous_forward if path[0] is record.installed_forward else _rebuilt(path, record.trl_node)
         _set_forward(owner, new_top, path[-1], record.trl_node)
         removed = True
+    return removed
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The serving protocol
+
+
+def install_heads(
+    model: torch.nn.Module | None,
+    ref_model: Any,
+    options: dict[str, Any],
+    precompute_grad: bool = False,
+) -> bool:
+    """Serve TRL's fused heads on a trainer's policy ``model`` and reference ``ref_model`` (no gradient: nothing to
+    precompute there). Returns whether the policy has such a head (now served)."""
+    if model is None:
+        return False
+    if isinstance(ref_model, torch.nn.Module) and ref_model is not model:
+        maybe_install_trl_head(ref_model, dict(options))
+    return maybe_install_trl_head(model, dict(options), precompute_grad=precompute_grad)
+
+
+def serve(trainer: Any, options: dict[str, Any]) -> bool:
+    """Serve the fused heads TRL installed on ``trainer.model`` and ``trainer.ref_model``; whether the policy has
+    one. With SFT's plain NLL (``loss_type="nll"``) the op precomputes that loss's gradient in the forward."""
+    plain_nll = getattr(getattr(trainer, "args", None), "loss_type", None) == "nll"
+    return install_heads(getattr(trainer, "model", None), getattr(trainer, "ref_model", None), options, plain_nll)
+
+
+def unserve(trainer: Any) -> bool:
+    """Put TRL's fused heads back on ``trainer.model`` and ``trainer.ref_model``; whether one was served."""
+    removed = False
+    for model in (getattr(trainer, "model", None), getattr(trainer, "ref_model", None)):
+        if isinstance(model, torch.nn.Module):
+            removed = remove_trl_head(model) or removed
     return removed

@@ -5,7 +5,7 @@ metrics read from one method, ``concatenated_forward(model, batch)``: it runs th
 rejected sequences stacked in one batch for the full ``[2B, T, V]`` logits and returns the chosen and rejected
 sequence log-probabilities, the chosen and rejected logits (which ``get_batch_loss_metrics`` only averages, for the
 ``logits/chosen`` and ``logits/rejected`` metrics), the NLL term of the chosen sequences and, for MoE models, the
-router's auxiliary loss. :func:`serve_preference_trainer` replaces that method, on one trainer instance, with one
+router's auxiliary loss. :func:`serve` replaces that method, on one trainer instance, with one
 that returns the same values from the backbone's last hidden states and one call of the op, made inside the
 ``lm_head`` module's call (FSDP and ZeRO-3 gather the weight there; a LoRA adapter on the head is computed by the
 op; the softcap and logit scale are the model's own, from lce_patch's registry):
@@ -19,12 +19,12 @@ op; the softcap and logit scale are the model's own, from lce_patch's registry):
 
 The losses built on them (``odds_ratio_loss``, ``cpo_loss`` with every ``loss_type``, AlphaPO included) stay TRL's.
 The whole method runs inside the policy wrapper's forward (TRL's forward redirection), so DDP prepares its gradient
-reduction as for a plain forward. :func:`unserve_preference_trainer` restores TRL's method.
+reduction as for a plain forward. :func:`unserve` restores TRL's method.
 
 Detection is by feature: the trainer must derive from TRL's class, and the methods whose work is replicated here
 (``concatenated_forward``, ``get_batch_logps``, and ``get_batch_loss_metrics``, which reads the logits) must use the
 names and constants they use in TRL 1.16; TRL code that differs raises :class:`~lce_patch.integrations.trl.
-TRLProtocolError`. A subclass that overrides one of those methods, or an encoder-decoder model, is left on TRL's
+protocol.TRLProtocolError`. A subclass that overrides one of those methods, or an encoder-decoder model, is left on TRL's
 path with a warning.
 """
 
@@ -32,21 +32,21 @@ from __future__ import annotations
 
 import functools
 import inspect
-import types
 import warnings
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from .. import ops as _ops
-from ..models import get_head_config, head_call, unwrap_causal_lm
-from .trl import TRLProtocolError, _load_balancing_loss, _op_kwargs, _trl_version
+from ... import ops as _ops
+from ...models import get_head_config, head_call, unwrap_causal_lm
+from ..serving import mro_lookup
+from ..shared import IGNORE_INDEX, function, is_served, log_prob_options, replace_method, restore_method, run_in_forward
+from .head import load_balancing_loss
+from .protocol import check_names, trainer_protocol_error
 
-__all__ = ["serve_preference_trainer", "unserve_preference_trainer"]
+__all__ = ["preference_forward", "serve", "unserve"]
 
-_IGNORE_INDEX = -100  # hard-coded by both trainers
-_SERVED_ATTR = "__lce_patch_preference__"
 _REPLACED = ("concatenated_forward", "get_batch_logps", "get_batch_loss_metrics")  # methods a subclass must keep
 
 
@@ -110,90 +110,31 @@ _SPECS = (
 _AVERAGED_LOSS_TYPES = ("ipo", "simpo")  # CPO's, also checked among the method's constants
 
 
-def _fail(trainer_name: str, what: str) -> None:
-    raise TRLProtocolError(
-        f"lce_patch does not recognise {trainer_name} of TRL {_trl_version()}: {what}. lce_patch replicates the "
-        f"training-step methods of TRL 1.16's {trainer_name} with its fused op. Upgrade lce_patch, pin a TRL it "
-        "supports, or train without FusedLCECallback (TRL's own methods then build the full logits)."
-    )
-
-
-def _function(cls: type, name: str) -> Any:
-    attribute = inspect.getattr_static(cls, name, None)
-    return getattr(attribute, "__func__", attribute)  # staticmethod / classmethod -> the function
-
-
-def _code_names(function: Any) -> frozenset[str]:
-    names: set[str] = set()
-    stack = [function.__code__]
-    while stack:
-        code = stack.pop()
-        names.update(code.co_names)
-        stack.extend(const for const in code.co_consts if isinstance(const, types.CodeType))
-    return frozenset(names)
-
-
 def _spec_for(trainer: Any) -> tuple[_Spec, type] | None:
     """The spec and TRL class the trainer derives from, found by module and name (nothing is imported)."""
-    for cls in type(trainer).__mro__:
-        for spec in _SPECS:
-            if cls.__module__ == spec.module and cls.__name__ == spec.name:
-                return spec, cls
-    return None
-
-
-def _check_names(trainer_name: str, base: type, method: str, known: frozenset[str]) -> None:
-    """Raise TRLProtocolError unless TRL's ``base.method`` uses exactly the ``known`` names."""
-    function = _function(base, method)
-    if not inspect.isfunction(function):
-        _fail(trainer_name, f"it has no function {method}")
-    used = _code_names(function)
-    if used != known:
-        _fail(
-            trainer_name,
-            f"{method} uses names unknown to this lce_patch ({sorted(used - known)}) or no longer uses known "
-            f"ones ({sorted(known - used)})",
-        )
+    found = mro_lookup(type(trainer), {(spec.module, spec.name): spec for spec in _SPECS})
+    return None if found is None else (found[1], found[0])
 
 
 def _check_protocol(spec: _Spec, base: type) -> None:
     """Raise TRLProtocolError unless TRL's methods are the ones replicated here."""
     for method, known in spec.names.items():
-        _check_names(spec.name, base, method, known)
-    forward = _function(base, "concatenated_forward")
+        check_names(spec.name, base, method, known)
+    forward = function(base, "concatenated_forward")
     if tuple(inspect.signature(forward).parameters) != ("self", "model", "batch"):
-        _fail(spec.name, f"concatenated_forward has the parameters {tuple(inspect.signature(forward).parameters)}")
+        trainer_protocol_error(
+            spec.name, f"concatenated_forward has the parameters {tuple(inspect.signature(forward).parameters)}"
+        )
     constants = forward.__code__.co_consts
     missing = [c for c in spec.constants if not any(type(c) is type(k) and c == k for k in constants)]
     if missing:
-        _fail(spec.name, f"concatenated_forward no longer uses the constants {missing}")
-
-
-def _served_class(trainer: Any, module: str, name: str, method: str, known: frozenset[str]) -> type | None:
-    """TRL's class ``module.name`` among the trainer's bases, if the trainer runs its ``method`` and that method uses
-    the ``known`` names; None (with a warning where a subclass overrides the method) otherwise.
-
-    Raises:
-        TRLProtocolError: TRL's method is not the one replicated here.
-    """
-    base = next((cls for cls in type(trainer).__mro__ if cls.__module__ == module and cls.__name__ == name), None)
-    if base is None:
-        return None
-    _check_names(name, base, method, known)
-    if _function(type(trainer), method) is not _function(base, method) or method in vars(trainer):
-        warnings.warn(
-            f"lce_patch: {type(trainer).__name__} overrides {name}'s {method}; this trainer keeps TRL's own path, "
-            "which builds the full [tokens x vocabulary] logits.",
-            stacklevel=3,
-        )
-        return None
-    return base
+        trainer_protocol_error(spec.name, f"concatenated_forward no longer uses the constants {missing}")
 
 
 def _servable(trainer: Any, spec: _Spec, base: type) -> bool:
     """Whether ``trainer`` runs TRL's methods; warns and returns False where it does not."""
     cls = type(trainer)
-    overridden = [name for name in _REPLACED if _function(cls, name) is not _function(base, name)]
+    overridden = [name for name in _REPLACED if function(cls, name) is not function(base, name)]
     overridden += [name for name in _REPLACED if name in vars(trainer)]
     reason = None
     if overridden:
@@ -210,14 +151,6 @@ def _servable(trainer: Any, spec: _Spec, base: type) -> bool:
     return False
 
 
-def _forward_redirection():
-    try:
-        from trl.models.utils import _ForwardRedirection
-    except ImportError:  # pragma: no cover (TRL without it: call the method directly)
-        return None
-    return _ForwardRedirection()
-
-
 def _score(weight, bias, hidden, targets, *, options, transform, mean_logits, low_rank=None):
     """The op on the head's weight (as read inside the module call), in the dtype the model's head runs in."""
     if not torch.is_autocast_enabled(hidden.device.type) and weight.dtype != hidden.dtype:
@@ -228,7 +161,7 @@ def _score(weight, bias, hidden, targets, *, options, transform, mean_logits, lo
         weight,
         targets,
         bias=bias,
-        ignore_index=_IGNORE_INDEX,
+        ignore_index=IGNORE_INDEX,
         softcap=transform.softcap,
         logit_scale=transform.logit_scale,
         return_mean_logits=mean_logits,
@@ -272,12 +205,12 @@ def preference_forward(
     # One target per position, so that the op computes the mean logit of every position the logits metric
     # averages; positions that neither the log-probs nor the NLL read get token 0 and are masked out below.
     completion = labels[:, 1:]
-    completion_mask = completion != _IGNORE_INDEX
-    nll_targets = torch.where(attention_mask == 1, input_ids, _IGNORE_INDEX)[:, 1:] if spec.nll_over_attended else None
+    completion_mask = completion != IGNORE_INDEX
+    nll_targets = torch.where(attention_mask == 1, input_ids, IGNORE_INDEX)[:, 1:] if spec.nll_over_attended else None
     targets = torch.where(completion_mask, completion, 0)
     nll_mask = completion_mask
     if nll_targets is not None:
-        nll_mask = nll_targets != _IGNORE_INDEX
+        nll_mask = nll_targets != IGNORE_INDEX
         targets = torch.where(completion_mask | ~nll_mask, targets, nll_targets)
     if positions > targets.shape[1]:  # the last position predicts no token
         targets = torch.cat((targets, targets.new_zeros(targets.shape[0], 1)), dim=1)
@@ -326,11 +259,11 @@ def preference_forward(
     )
     if with_aux:
         text_config = causal_lm.config.get_text_config()
-        outputs += (_load_balancing_loss(causal_lm, text_config, backbone_outputs, attention_mask),)
+        outputs += (load_balancing_loss(causal_lm, text_config, backbone_outputs, attention_mask),)
     return outputs
 
 
-def serve_preference_trainer(trainer: Any, options: dict[str, Any]) -> bool:
+def serve(trainer: Any, options: dict[str, Any]) -> bool:
     """Serve ``trainer`` (a TRL ``ORPOTrainer`` or ``CPOTrainer``) with the fused op; returns whether it is served.
 
     ``options``: the callback's; ``backend`` and ``chunk_size`` reach the op, ``label_smoothing``, ``z_loss`` and
@@ -343,14 +276,12 @@ def serve_preference_trainer(trainer: Any, options: dict[str, Any]) -> bool:
     if found is None:
         return False
     spec, base = found
-    current = vars(trainer).get("concatenated_forward")
-    if getattr(current, _SERVED_ATTR, False):
+    if is_served(vars(trainer).get("concatenated_forward")):
         return True
     _check_protocol(spec, base)
     if not _servable(trainer, spec, base):
         return False
-    op_options = _op_kwargs(options)
-    redirect = _forward_redirection()
+    op_options = log_prob_options(options)
     method = trainer.concatenated_forward
     labels_checked: dict[str, bool] = {}
 
@@ -378,24 +309,14 @@ def serve_preference_trainer(trainer: Any, options: dict[str, Any]) -> bool:
             options=op_options,
             labels_checked=labels_checked,
         )
-        policy = trainer.accelerator.unwrap_model(model)
-        # Under mixed precision accelerate runs the model's forward in autocast; the backbone and the head run
-        # here instead of that forward, so in the same autocast, and return float32 as that forward does
-        with trainer.accelerator.autocast():
-            if redirect is None or policy is model:
-                outputs = preference_forward(policy, *arguments, **options)
-            else:
-                outputs = redirect(model, policy, preference_forward, policy, *arguments, **options)
+        # float32 outputs, as accelerate's autocast forward returns
+        outputs = run_in_forward(trainer, model, preference_forward, *arguments, **options)
         return tuple(output.float() for output in outputs)
 
-    setattr(concatenated_forward, _SERVED_ATTR, True)
-    trainer.concatenated_forward = concatenated_forward
+    replace_method(trainer, "concatenated_forward", concatenated_forward)
     return True
 
 
-def unserve_preference_trainer(trainer: Any) -> bool:
-    """Undo :func:`serve_preference_trainer` on ``trainer``; returns whether it was served."""
-    if not getattr(vars(trainer).get("concatenated_forward"), _SERVED_ATTR, False):
-        return False
-    del trainer.concatenated_forward
-    return True
+def unserve(trainer: Any) -> bool:
+    """Undo :func:`serve` on ``trainer``; returns whether it was served."""
+    return restore_method(trainer, "concatenated_forward")

@@ -3,15 +3,15 @@
 ``A2POTrainer._get_sequence_logps`` (TRL 1.16) runs a model (the policy with gradient in ``compute_loss``, or the
 frozen reference copy in ``_prepare_inputs``) on prompt + sampled completion for the logits of the completion
 positions and returns each sequence's summed completion log-probability, which is all that the loss (a regression
-of ``beta2 * (log pi - log pi_ref)`` onto ``r - V*``) and its metrics read. :func:`serve_a2po_trainer` replaces that
+of ``beta2 * (log pi - log pi_ref)`` onto ``r - V*``) and its metrics read. :func:`serve` replaces that
 method, on one trainer instance, with the backbone's hidden states and one call of the op on the model's own head
 (softcap and logit scale from lce_patch's registry, a LoRA adapter on the head computed by the op), inside the
 wrapper's forward (TRL's forward redirection) and accelerate's autocast. Stage 1 (sampling from the reference
 model to estimate ``V*``) and the generation in Stage 2 are untouched.
 
-Detection is by feature, as for the other experimental trainers (``trl_experimental.py``): TRL's method must use the
-names it uses in TRL 1.16, else :class:`~lce_patch.integrations.trl.TRLProtocolError`; a subclass that overrides
-it is left on TRL's path with a warning. :func:`unserve_a2po_trainer` restores TRL's method.
+Detection is by feature, as for the other experimental trainers: TRL's method must use the names it uses in TRL
+1.16, else :class:`~lce_patch.integrations.trl.protocol.TRLProtocolError`; a subclass that overrides it is left on
+TRL's path with a warning. :func:`unserve` restores TRL's method.
 """
 
 from __future__ import annotations
@@ -19,14 +19,12 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from ..models import unwrap_causal_lm
-from .trl import _op_kwargs
-from .trl_experimental import _run_served, _token_outputs
-from .trl_preference import _served_class
+from ...models import unwrap_causal_lm
+from ..shared import head_log_probs, is_served, log_prob_options, replace_method, restore_method, run_in_forward
+from .protocol import served_base
 
-__all__ = ["serve_a2po_trainer", "unserve_a2po_trainer"]
+__all__ = ["serve", "unserve"]
 
-_SERVED_ATTR = "__lce_patch_a2po__"
 _A2PO = ("trl.experimental.a2po.a2po_trainer", "A2POTrainer", "_get_sequence_logps")
 _A2PO_NAMES = frozenset("logits model_kwarg_keys selective_log_softmax sum".split())
 
@@ -35,11 +33,11 @@ def _sequence_log_probs(model, input_ids, attention_mask, logits_to_keep, option
     causal_lm = unwrap_causal_lm(model)
     outputs = causal_lm.base_model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
     hidden = outputs.last_hidden_state[:, -(logits_to_keep + 1) : -1]  # the positions that predict the completion
-    per_token = _token_outputs(causal_lm, hidden, input_ids[:, -logits_to_keep:], options).log_probs
+    per_token = head_log_probs(causal_lm, hidden, input_ids[:, -logits_to_keep:], options).log_probs
     return (per_token * attention_mask[:, -logits_to_keep:].to(per_token.device)).sum(dim=1)
 
 
-def serve_a2po_trainer(trainer: Any, options: dict[str, Any]) -> bool:
+def serve(trainer: Any, options: dict[str, Any]) -> bool:
     """Serve ``trainer`` (a TRL ``A2POTrainer``): the policy's and the reference's sequence log-probabilities of the
     sampled completions through the fused op. Returns whether it is served.
 
@@ -47,25 +45,23 @@ def serve_a2po_trainer(trainer: Any, options: dict[str, Any]) -> bool:
         TRLProtocolError: TRL's ``_get_sequence_logps`` is not the one replicated here.
     """
     module, name, method_name = _A2PO
-    if getattr(vars(trainer).get(method_name), _SERVED_ATTR, False):
+    if is_served(vars(trainer).get(method_name)):
         return True
-    if _served_class(trainer, module, name, method_name, _A2PO_NAMES) is None:
+    if served_base(trainer, module, name, method_name, _A2PO_NAMES) is None:
         return False
-    op_options = _op_kwargs(options)
+    op_options = log_prob_options(options)
     method = getattr(trainer, method_name)
 
     @functools.wraps(method)
     def _get_sequence_logps(model, input_ids, attention_mask, logits_to_keep):
-        return _run_served(trainer, model, _sequence_log_probs, input_ids, attention_mask, logits_to_keep, op_options)
+        return run_in_forward(
+            trainer, model, _sequence_log_probs, input_ids, attention_mask, logits_to_keep, op_options
+        )
 
-    setattr(_get_sequence_logps, _SERVED_ATTR, True)
-    setattr(trainer, method_name, _get_sequence_logps)
+    replace_method(trainer, method_name, _get_sequence_logps)
     return True
 
 
-def unserve_a2po_trainer(trainer: Any) -> bool:
-    """Undo :func:`serve_a2po_trainer` on ``trainer``; returns whether it was served."""
-    if not getattr(vars(trainer).get(_A2PO[2]), _SERVED_ATTR, False):
-        return False
-    delattr(trainer, _A2PO[2])
-    return True
+def unserve(trainer: Any) -> bool:
+    """Undo :func:`serve` on ``trainer``; returns whether it was served."""
+    return restore_method(trainer, _A2PO[2])

@@ -14,7 +14,7 @@ top-K divergence of the student at ``kd_temperature`` from the teacher's log-pro
 ``num_items_in_batch``. Its backward returns the gradients of ``kd_ce_alpha * CE_sum + kd_alpha * KD_sum``: the
 ``kd_temperature**2`` factor scales the reported value, not the gradient.
 
-:func:`serve_kd_trainer` replaces ``_kd_loss_fn`` on one trainer instance by :class:`FusedKDLoss`, which computes
+:func:`serve_kd_trainer` (the serving table's :func:`serve`) replaces ``_kd_loss_fn`` on one trainer instance by :class:`FusedKDLoss`, which computes
 the same two sums with :func:`lce_patch.fused_linear_cross_entropy` (``shift=True``, ``reduction="sum"``) and
 :func:`lce_patch.fused_linear_sparse_divergence` (``candidate_mask=target_mask``, ``renormalize=kd_normalize_topk``,
 ``reduction="sum"``), with the same value and the same gradients: the ``kd_temperature**2 - 1`` part of the KD term
@@ -25,7 +25,8 @@ logit scale (the plugin warns when the model has one), and a LoRA adapter on the
 the base weight). Detection is by feature: the trainer must derive from axolotl's ``AxolotlKDTrainer``, its loss
 object must be axolotl's class with the attributes and ``forward`` parameters used here, and ``compute_loss`` must
 call it; otherwise :class:`AxolotlKDProtocolError`. A subclass that overrides ``compute_loss`` keeps axolotl's
-loss, with a warning. :func:`unserve_kd_trainer` restores axolotl's loss object.
+loss, with a warning. :func:`unserve_kd_trainer` (:func:`unserve`) restores axolotl's loss object. The plugin serves
+the trainer once axolotl has built it (``post_trainer_create``: the loss object is set after ``Trainer.__init__``).
 """
 
 from __future__ import annotations
@@ -38,9 +39,10 @@ from typing import Any
 
 import torch
 
-from ..ops import fused_linear_cross_entropy, fused_linear_sparse_divergence
+from ...ops import fused_linear_cross_entropy, fused_linear_sparse_divergence
+from ..serving import base_class
 
-__all__ = ["AxolotlKDProtocolError", "FusedKDLoss", "serve_kd_trainer", "unserve_kd_trainer"]
+__all__ = ["AxolotlKDProtocolError", "FusedKDLoss", "serve", "serve_kd_trainer", "unserve", "unserve_kd_trainer"]
 
 _TRAINER = ("axolotl.integrations.kd.trainer", "AxolotlKDTrainer")
 _LOSS = ("axolotl.integrations.kd.kernels.liger", "LigerFusedLinearKLTopKLogprobLoss")
@@ -150,16 +152,12 @@ class FusedKDLoss(torch.nn.Module):
         return total
 
 
-def _class(trainer: Any, module: str, name: str) -> type | None:
-    return next((cls for cls in type(trainer).__mro__ if cls.__module__ == module and cls.__name__ == name), None)
-
-
 def _check_protocol(trainer: Any, base: type) -> None:
     """Raise AxolotlKDProtocolError unless the trainer's loss object and compute_loss are the ones replicated."""
     loss = vars(trainer).get("_kd_loss_fn")
     if loss is None:
         _fail("the trainer has no _kd_loss_fn")
-    if _class(loss, *_LOSS) is None:
+    if base_class(loss, *_LOSS) is None:
         _fail(f"its _kd_loss_fn is {type(loss).__name__}, not {_LOSS[1]}")
     missing = [name for name in _LOSS_ATTRS if not hasattr(loss, name)]
     if missing:
@@ -184,7 +182,7 @@ def serve_kd_trainer(
     Raises:
         AxolotlKDProtocolError: axolotl's trainer or loss object is not the one replicated here.
     """
-    base = _class(trainer, *_TRAINER)
+    base = base_class(trainer, *_TRAINER)
     if base is None:
         return False
     if isinstance(vars(trainer).get("_kd_loss_fn"), FusedKDLoss):
@@ -215,11 +213,21 @@ def unserve_kd_trainer(trainer: Any) -> bool:
     return True
 
 
+def serve(trainer: Any, options: dict[str, Any]) -> bool:
+    """The serving protocol's ``serve``: :func:`serve_kd_trainer` with its warnings through ``warnings.warn``."""
+    return serve_kd_trainer(trainer, options)
+
+
+def unserve(trainer: Any) -> bool:
+    """The serving protocol's ``unserve``: :func:`unserve_kd_trainer`."""
+    return unserve_kd_trainer(trainer)
+
+
 def _unapplied_head_transform(model: Any) -> list[str]:
     """What the model's head applies that axolotl's KD loss leaves out."""
     if model is None:
         return []
-    from ..models import get_head_config, unwrap_causal_lm
+    from ...models import get_head_config, unwrap_causal_lm
 
     try:
         transform = get_head_config(model)

@@ -1,0 +1,167 @@
+"""The serving table: for each trainer class lce_patch serves, the module that serves it, when, and how.
+
+Each :class:`Row` names a trainer class by module and name (nothing is imported to read the table) and the
+module that serves it (imported only for a trainer of that class). That module follows one protocol,
+:class:`Serving`: ``serve(trainer, options) -> bool`` puts lce_patch's op in the trainer's loss, on that
+instance only, and ``unserve(trainer) -> bool`` puts back exactly what was there. Whatever lce_patch puts in a
+trainer's, a model's or a module's place carries one marker attribute, :data:`SERVED`.
+
+:func:`find_row` walks the trainer's MRO once and returns the row of the most derived class that has one, so a
+subclass of a served trainer is served as its base (and a served class deriving from another served class, GKD
+from SFT, gets its own row). ``FusedLCECallback`` serves the rows marked ``"init"`` at the end of
+``Trainer.__init__``; the rows marked ``"train"`` are served at ``on_train_begin`` by TRL's fused-LM-head
+protocol (which any trainer whose model carries TRL's head gets); the rows marked ``"plugin"`` by the axolotl
+plugin. The Trainer and TRL page's trainer table and the axolotl plugin's list of preference modes are generated
+from :data:`ROWS`.
+
+This module imports nothing beyond the standard library.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol, TypeVar
+
+__all__ = [
+    "ROWS",
+    "SERVED",
+    "Row",
+    "Serving",
+    "base_class",
+    "find_row",
+    "mro_lookup",
+    "serve_trainer",
+    "unserve_trainer",
+]
+
+SERVED = "__lce_patch_served__"
+"""The marker set on every function lce_patch puts in a trainer's, a model's or a module's place; its value is
+what the function stands in for."""
+
+_T = TypeVar("_T")
+
+
+class Serving(Protocol):
+    """What a serving module provides (one module per trainer family, e.g. ``lce_patch.integrations.trl.tpo``)."""
+
+    def serve(self, trainer: Any, options: dict[str, Any]) -> bool:
+        """Serve ``trainer`` with the fused op (``options``: ``FusedLCECallback``'s); whether it is served.
+        Idempotent; a subclass that overrides what is replaced is left alone, with a warning."""
+        ...
+
+    def unserve(self, trainer: Any) -> bool:
+        """Undo :meth:`serve` on ``trainer`` exactly; whether it was served."""
+        ...
+
+
+@dataclass(frozen=True)
+class Row:
+    """One served (or knowingly unserved) trainer class.
+
+    Attributes:
+        module: the module that defines the class (``cls.__module__``).
+        name: the class's name.
+        serving: the module implementing :class:`Serving` for it; None where nothing serves it (``how`` says why).
+        when: ``"init"``: ``FusedLCECallback`` at the end of ``Trainer.__init__``; ``"train"``: TRL's fused LM head,
+            served at ``on_train_begin``; ``"plugin"``: the axolotl plugin once the trainer is built; None: not served.
+        how: how it is served, for the docs' trainer table.
+        tested: what the tests run, for the docs' trainer table.
+        axolotl_rl: axolotl's ``rl:`` modes whose trainer derives from this class and is served by this row.
+    """
+
+    module: str
+    name: str
+    serving: str | None
+    when: Literal["init", "train", "plugin"] | None
+    how: str
+    tested: str
+    axolotl_rl: tuple[str, ...] = ()
+
+    @property
+    def key(self) -> tuple[str, str]:
+        return self.module, self.name
+
+    def load(self) -> Serving | None:
+        """The serving module (imported now), or None for a row nothing serves."""
+        return None if self.serving is None else importlib.import_module(self.serving)
+
+
+_HEAD = "lce_patch.integrations.trl.head"
+_HEAD_HOW = "TRL's fused head, policy and reference, served by lce_patch's op"
+_LOG_PROBS = "Fused by lce_patch: `fused_linear_log_probs`"
+_UNSERVED_HOW = (
+    "TRL's path, with a warning: each loss reads the student's full logits (`model(...).logits`), some over the whole "
+    "vocabulary distribution (divergences to a teacher), which this version does not replace"
+)
+_SPARSE_HOW = "Fused by lce_patch: `fused_linear_sparse_divergence` (the teacher's top-K)"
+_SPARSE_TESTED = "yes (the vLLM teacher stood in for)"
+
+ROWS: tuple[Row, ...] = (
+    Row("trl.trainer.sft_trainer", "SFTTrainer", _HEAD, "train", "TRL's fused head, served by lce_patch's op (the NLL's gradient precomputed)", "yes"),
+    Row("trl.trainer.dpo_trainer", "DPOTrainer", _HEAD, "train", _HEAD_HOW, "yes"),
+    Row("trl.experimental.bema_for_ref_model.dpo_trainer", "DPOTrainer", _HEAD, "train", "DPO's path (TRL's fused head), served by lce_patch's op", "no"),
+    Row("trl.trainer.kto_trainer", "KTOTrainer", _HEAD, "train", _HEAD_HOW, "yes"),
+    Row("trl.experimental.kto", "KTOTrainer", _HEAD, "train", "KTO's path (TRL's fused head), served by lce_patch's op", "no"),
+    Row("trl.trainer.grpo_trainer", "GRPOTrainer", _HEAD, "train", _HEAD_HOW, "yes"),
+    Row("trl.trainer.rloo_trainer", "RLOOTrainer", _HEAD, "train", _HEAD_HOW, "yes"),
+    Row("trl.experimental.gmpo.gmpo_trainer", "GMPOTrainer", _HEAD, "train", "GRPO's path (TRL's fused head), served by lce_patch's op", "no"),
+    Row("trl.experimental.async_grpo.async_grpo_trainer", "AsyncGRPOTrainer", _HEAD, "train", "TRL's fused head, served by lce_patch's op", "no (needs vLLM or a rollout worker)"),
+    Row("trl.trainer.distillation_trainer", "DistillationTrainer", "lce_patch.integrations.trl.distillation", "init", "Fused by lce_patch: `fused_linear_divergence`", "yes"),
+    Row("trl.experimental.gkd.gkd_trainer", "GKDTrainer", "lce_patch.integrations.trl.gkd", "init", "Fused by lce_patch: `fused_linear_divergence`", "yes"),
+    Row("trl.experimental.orpo.orpo_trainer", "ORPOTrainer", "lce_patch.integrations.trl.preference", "init", _LOG_PROBS, "yes", ("orpo",)),
+    Row("trl.experimental.cpo.cpo_trainer", "CPOTrainer", "lce_patch.integrations.trl.preference", "init", _LOG_PROBS, "yes", ("simpo",)),
+    Row("trl.experimental.tpo.tpo_trainer", "TPOTrainer", "lce_patch.integrations.trl.tpo", "init", _LOG_PROBS, "yes"),
+    Row("trl.experimental.online_dpo.online_dpo_trainer", "OnlineDPOTrainer", "lce_patch.integrations.trl.online_dpo", "init", _LOG_PROBS, "yes"),
+    Row("trl.experimental.a2po.a2po_trainer", "A2POTrainer", "lce_patch.integrations.trl.a2po", "init", _LOG_PROBS, "yes"),
+    Row("trl.experimental.gold.gold_trainer", "GOLDTrainer", "lce_patch.integrations.trl.unserved", "init", _UNSERVED_HOW, "the warning"),
+    Row("trl.experimental.sdft.sdft_trainer", "SDFTTrainer", "lce_patch.integrations.trl.unserved", "init", _UNSERVED_HOW, "the warning"),
+    Row("trl.experimental.sdpo.sdpo_trainer", "SDPOTrainer", "lce_patch.integrations.trl.unserved", "init", _UNSERVED_HOW, "the warning"),
+    Row("trl.experimental.iw_opd.iw_opd_trainer", "IWOPDTrainer", "lce_patch.integrations.trl.unserved", "init", _UNSERVED_HOW, "the warning"),
+    Row("trl.experimental.async_distillation.async_distillation_trainer", "AsyncDistillationTrainer", "lce_patch.integrations.trl.async_distillation", "init", _SPARSE_HOW, _SPARSE_TESTED),
+    Row("trl.experimental.server_distillation.server_distillation_trainer", "ServerDistillationTrainer", "lce_patch.integrations.trl.server_distillation", "init", _SPARSE_HOW, _SPARSE_TESTED),
+    Row("trl.trainer.reward_trainer", "RewardTrainer", None, None, "Refused: a sequence-classification model has no LM head to fuse (the error names the `*ForCausalLM` class); train it without the callback", "no"),
+    Row("axolotl.integrations.kd.trainer", "AxolotlKDTrainer", "lce_patch.integrations.axolotl.kd", "plugin", "Fused by lce_patch: `fused_linear_cross_entropy` and `fused_linear_sparse_divergence` (`kd_trainer: true`)", "yes (axolotl 0.19)"),
+)  # fmt: skip
+
+_BY_CLASS: dict[tuple[str, str], Row] = {row.key: row for row in ROWS}
+
+
+def mro_lookup(cls: type, table: Mapping[tuple[str, str], _T]) -> tuple[type, _T] | None:
+    """The first class of ``cls``'s MRO (the most derived) whose ``(module, name)`` is in ``table``, and its entry.
+
+    Classes are matched by module and name, so nothing is imported to find them."""
+    for base in cls.__mro__:
+        entry = table.get((base.__module__, base.__name__))
+        if entry is not None:
+            return base, entry
+    return None
+
+
+def base_class(obj: Any, module: str, name: str) -> type | None:
+    """The class ``module.name`` among the bases of ``obj``'s class (``obj`` itself if a class), or None."""
+    found = mro_lookup(obj if isinstance(obj, type) else type(obj), {(module, name): True})
+    return None if found is None else found[0]
+
+
+def find_row(trainer: Any) -> Row | None:
+    """The row of the most derived class of ``trainer`` (an instance or a class) that has one, or None."""
+    found = mro_lookup(trainer if isinstance(trainer, type) else type(trainer), _BY_CLASS)
+    return None if found is None else found[1]
+
+
+def serve_trainer(trainer: Any, options: dict[str, Any]) -> bool:
+    """Serve ``trainer`` through its row (any ``when``); whether it is served. ``FusedLCECallback`` does this for
+    the ``"init"`` rows; call it for a trainer built without the callback."""
+    row = find_row(trainer)
+    serving = None if row is None else row.load()
+    return False if serving is None else serving.serve(trainer, dict(options))
+
+
+def unserve_trainer(trainer: Any) -> bool:
+    """Undo what serving did to ``trainer`` (its loss methods, TRL's fused head on its models); whether it was
+    served. The model's own patch stays (:func:`lce_patch.revert_fused_lce` removes it)."""
+    row = find_row(trainer)
+    serving = None if row is None else row.load()
+    return False if serving is None else serving.unserve(trainer)
