@@ -354,7 +354,8 @@ def model_config(args: argparse.Namespace):
         spec["num_hidden_layers"] = args.layers
     spec["max_position_embeddings"] = max(spec["max_position_embeddings"], args.seq_len)
     config = AutoConfig.for_model(model_type, use_cache=False, **spec)
-    config._attn_implementation = "eager" if args.cpu else "sdpa"
+    # transformers 5.24 refuses SDPA for Gemma-2 (its softcapped attention scores): eager there.
+    config._attn_implementation = "eager" if args.cpu or model_type == "gemma2" else "sdpa"
     return config
 
 
