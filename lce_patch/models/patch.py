@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from ..ops.core.backend import stats_dtype
+from ..ops.core import stats_dtype
 from .adapters import resolve_head_module, unwrap_causal_lm
 from .forward import (
     PREVIOUS_FORWARD_ATTR,
