@@ -1,6 +1,7 @@
 """Patching Hugging Face causal LMs so that training computes the loss without materializing the logits.
 
-``apply_fused_lce(model)`` (``patch.py``) checks its options (``options.py``) and wraps the model's own
+``apply_fused_lce(model)`` (``patch.py``; the class lookups in ``lookups.py``, the refusals in ``refusals.py``,
+the self-check of unregistered models in ``self_check.py``) checks its options (``options.py``) and wraps the model's own
 ``forward`` (per instance, or per class for a ``model_type`` string) so that, in training, its LM head computes
 the fused loss and its ``loss_function`` returns it (``forward.py``, ``head.py``, with PEFT adapters on the head
 resolved by ``adapters.py``), or runs unfused where it cannot stand in (``fallback.py``); the loss options

@@ -41,8 +41,7 @@ from typing import Any
 
 import torch
 
-from ..ops.linear_cross_entropy.functional import fused_linear_cross_entropy, start_valid_token_count
-from ..ops.linear_cross_entropy.vocab_parallel import is_dtensor
+from ..ops.linear_cross_entropy import fused_linear_cross_entropy, is_dtensor, start_valid_token_count
 from .adapters import resolve_head_module
 from .fallback import unfused_reason, warn_unfused
 from .head import SLOT_ATTR, JobSlot, install_interceptor

@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 
-from ..ops.core.backend import stats_dtype
-from ..ops.linear_cross_entropy.inputs import shift_labels
+from ..ops.core import stats_dtype
+from ..ops.linear_cross_entropy import shift_labels
 from .options import LCEOptions
 
 EXTRA_OUTPUTS = ("lse", "token_accuracy", "predicted_tokens")

@@ -19,9 +19,8 @@ from typing import Any
 
 import torch
 
-from ..ops.core.checks import check_weights
-from ..ops.linear_cross_entropy.inputs import loss_weights
-from ..ops.linear_cross_entropy.options import OP_NAME, CrossEntropyOptions, check_flag
+from ..ops.core import check_weights
+from ..ops.linear_cross_entropy import OP_NAME, CrossEntropyOptions, check_flag, loss_weights
 
 # Where apply_fused_lce stores the LCEOptions: on the instance, or on the class for a class patch.
 OPTIONS_ATTR = "_lce_patch_options"

@@ -26,6 +26,7 @@ SCRIPTS = [
     "checks/qlora_check.py",
     "axolotl_bench.py",
     "bench_divergence.py",
+    "bench_sparse_divergence.py",
     "distill_e2e.py",
     "preference_e2e.py",
     "chunk_sweep.py",

@@ -22,7 +22,7 @@ import torch
 
 import lce_patch
 from lce_patch.models import UNSUPPORTED, is_patched
-from lce_patch.models.patch import _is_registered
+from lce_patch.models.lookups import is_registered
 
 from .tiny import assert_trains_equal
 from .zoo import EXCLUDED, NO_GENERATE, ZOO_TYPES, build_tiny, text_batch
@@ -54,7 +54,7 @@ class _ScaledHeadInput:
 def _classified(model: torch.nn.Module, model_type: str) -> str:
     # A new type whose auto mapping names a registered class (transformers 5.24 maps exaone to
     # LlamaForCausalLM) is that class's model: accepted by default, and held to every comparison.
-    if model_type in lce_patch.supported_architectures() or _is_registered(model):
+    if model_type in lce_patch.supported_architectures() or is_registered(model):
         return "registered"
     return "unsupported" if model_type in UNSUPPORTED else "unclassified"
 

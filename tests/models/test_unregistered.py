@@ -31,11 +31,12 @@ UNREGISTERED = {
 @pytest.mark.parametrize("model_type", sorted(UNREGISTERED))
 def test_unregistered_model_after_self_check(model_type, monkeypatch):
     # As if a newer transformers had added the type: the registry does not know it.
-    from lce_patch.models import patch
+    from lce_patch.models import lookups, refusals
 
     class_name = type(AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, num_hidden_layers=0))).__name__
-    aliases = {key for key, names in patch._mapping_names().items() if class_name in names}  # gpt2 and gpt-sw3
-    monkeypatch.setattr(patch, "REGISTRY", patch.REGISTRY - aliases)
+    aliases = {key for key, names in lookups.mapping_names().items() if class_name in names}  # gpt2 and gpt-sw3
+    for module in (lookups, refusals):
+        monkeypatch.setattr(module, "REGISTRY", module.REGISTRY - aliases)
     config = AutoConfig.for_model(
         model_type, vocab_size=128, hidden_size=32, num_hidden_layers=2, **UNREGISTERED[model_type]
     )

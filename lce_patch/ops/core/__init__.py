@@ -1,6 +1,12 @@
 """What every op shares, owned by none: input checks (``checks``), backend choice and device helpers
 (``backend``), the chunk-size policy (``chunking``), the chunk GEMMs and gradient accumulation (``grads``), an
 op's options as its custom operators' arguments (``schema``), the Triton helpers the kernels share
-(``triton_helpers``) and the final logits of the references (``naive``).
+(``triton_helpers``), the logit transform (``transform``), the reductions and the loss scaling (``reduction``)
+and the final logits of the references (``naive``).
 
 An op imports from here and from its own folder only."""
+
+from .backend import stats_dtype
+from .checks import check_weights
+
+__all__ = ["check_weights", "stats_dtype"]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import numbers
+from typing import Any
 
 import torch
 
@@ -49,6 +50,78 @@ def check_real(
         fail(f"{name} must be >= {minimum}, got {value}", op_name)
     if maximum is not None and value > maximum:
         fail(f"{name} must be <= {maximum}, got {value}", op_name)
+
+
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+
+def check_flag(name: str, value, op_name: str) -> None:
+    """A Python bool."""
+    if not isinstance(value, bool):
+        fail(f"{name} must be a bool, got {value!r}", op_name)
+
+
+def is_integer(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` holds integers (not bool, float or complex)."""
+    return tensor.dtype != torch.bool and not tensor.dtype.is_floating_point and not tensor.dtype.is_complex
+
+
+def check_tensors(tensors: dict[str, Any], optional: tuple[str, ...], op_name: str) -> dict[str, torch.Tensor]:
+    """Each value a tensor (or None for a name in ``optional``); returns the tensors given, by name."""
+    for name, value in tensors.items():
+        allow_none = name in optional
+        if not isinstance(value, torch.Tensor) and not (allow_none and value is None):
+            fail(
+                f"{name} must be a torch.Tensor{' or None' if allow_none else ''}, got {type(value).__name__}", op_name
+            )
+    return {name: value for name, value in tensors.items() if value is not None}
+
+
+def check_hidden(hidden: torch.Tensor, op_name: str) -> None:
+    """Hidden states [N, D] or [B, T, D]."""
+    if hidden.dim() not in (2, 3):
+        fail(f"hidden must be a [N, D] or [B, T, D] tensor, got shape {tuple(hidden.shape)}", op_name)
+
+
+def check_head(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    op_name: str,
+    prefix: str = "",
+    nonempty: bool = True,
+) -> None:
+    """A head ``weight`` [V, D] over ``hidden``'s last dim D, with ``bias`` [V] or None; V >= 1 when
+    ``nonempty``. ``prefix`` names the head's arguments (``"teacher_"``)."""
+    if weight.dim() != 2:
+        fail(f"{prefix}weight must be a [V, D] tensor, got shape {tuple(weight.shape)}", op_name)
+    if weight.shape[1] != hidden.shape[-1]:
+        fail(
+            f"{prefix}hidden's last dim ({hidden.shape[-1]}) does not match {prefix}weight's D ({weight.shape[1]})",
+            op_name,
+        )
+    if nonempty and weight.shape[0] == 0:
+        fail(f"{prefix}weight has an empty vocabulary (V = 0)", op_name)
+    if bias is not None and tuple(bias.shape) != (weight.shape[0],):
+        fail(f"{prefix}bias must have shape ({weight.shape[0]},), got {tuple(bias.shape)}", op_name)
+
+
+def check_one_device(tensors: dict[str, torch.Tensor], op_name: str) -> None:
+    """Every tensor on one device."""
+    if len({t.device for t in tensors.values()}) > 1:
+        fail(f"all inputs must be on one device, got { ({n: str(t.device) for n, t in tensors.items()}) }", op_name)
+
+
+def check_float_dtypes(tensors: dict[str, torch.Tensor], names: tuple[str, ...], op_name: str) -> None:
+    """The tensors of ``names`` (those present) in a dtype of ``FLOAT_DTYPES``."""
+    for name in names:
+        t = tensors.get(name)
+        if t is not None and t.dtype not in FLOAT_DTYPES:
+            fail(
+                f"{name} has unsupported dtype {t.dtype}; expected float32, float16, bfloat16 or float64 "
+                "(float64 on the torch backend)",
+                op_name,
+            )
 
 
 def check_labels(labels: torch.Tensor, vocab_size: int, ignore_index: int, op_name: str) -> None:

@@ -102,6 +102,26 @@ def default_chunk_rows(
     return rows
 
 
+def two_head_chunk_rows(
+    num_rows: int,
+    vocab_size: int,
+    dtype: torch.dtype,
+    use_triton: bool,
+    hidden_size: int | None = None,
+    num_sms: int | None = None,
+) -> int:
+    """Token rows per chunk of an op with two heads' logits per chunk (the divergence op: a student's and a
+    teacher's ``[chunk, V]`` buffers). Triton rows: :func:`default_chunk_rows`'s choice for the student's GEMMs
+    (at least 1024 rows, enough rows for the dh GEMM to fill the GPU at a thin hidden size, at most 16 bf16
+    roundings of dW), which also sizes the teacher's buffer; no spare bytes in evaluation. Torch rows: a
+    ``[chunk, V]`` fp32 temporary of ``DEFAULT_LOGITS_BUDGET_BYTES``. (Not :func:`resolve_chunks`: the torch
+    rows' budget and the evaluation chunks differ, so the chunks, and the rounding, would change.)"""
+    num_rows = max(num_rows, 1)
+    if use_triton:
+        return default_chunk_rows(num_rows, vocab_size, dtype, True, hidden_size=hidden_size, num_sms=num_sms)
+    return max(1, min(num_rows, DEFAULT_LOGITS_BUDGET_BYTES // (4 * vocab_size)))
+
+
 def chunk_spans(num_rows: int, chunk_rows: int, fold_tail: bool = False) -> tuple[tuple[int, int], ...]:
     """(start, stop) of each chunk of ``num_rows`` rows: ``chunk_rows`` rows each, the last one shorter;
     with ``fold_tail``, a last chunk of fewer than ``CHUNK_ROW_MULTIPLE`` rows and at most
@@ -130,7 +150,7 @@ def resolve_chunks(
     each, or :func:`default_chunk_rows`'s with a short remainder folded into the last chunk."""
     if chunk_size is not None:
         return chunk_spans(processed_rows, chunk_size)
-    num_sms = torch.cuda.get_device_properties(hidden.device).multi_processor_count if hidden.is_cuda else None
+    num_sms = sm_count(hidden)
     # Evaluation of a trainable W: the buffer may take the bytes its dW would have taken.
     spare = weight.numel() * weight.element_size() if weight.requires_grad and not any_grad else 0
     rows = default_chunk_rows(
@@ -143,6 +163,11 @@ def resolve_chunks(
         spare_bytes=spare,
     )
     return chunk_spans(processed_rows, rows, fold_tail=True)
+
+
+def sm_count(tensor: torch.Tensor) -> int | None:
+    """The streaming multiprocessors of ``tensor``'s GPU, None off CUDA."""
+    return torch.cuda.get_device_properties(tensor.device).multi_processor_count if tensor.is_cuda else None
 
 
 def buffer_rows(chunks: tuple[tuple[int, int], ...]) -> int:

@@ -330,3 +330,16 @@ def absent_to_none(grads: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor | None
     (A computed gradient never has that shape: dW, dh and a low-rank factor's are 2-D, dbias has V >= 1 rows.)
     """
     return tuple(None if grad.shape == (0,) else grad for grad in grads)
+
+
+def none_to_absent(
+    grads: tuple[torch.Tensor | None, ...] | None, markers: tuple[tuple[torch.Tensor, torch.dtype | None], ...]
+) -> tuple[torch.Tensor, ...]:
+    """The inverse of :func:`absent_to_none`: each None gradient (all of them when ``grads`` is None) as the
+    "not computed" marker, a new empty tensor on ``like``'s device in ``dtype`` (None: ``like``'s), one
+    ``(like, dtype)`` per gradient. New each time: a custom operator's outputs may not alias."""
+    grads = grads or (None,) * len(markers)
+    return tuple(
+        grad if grad is not None else like.new_empty(0, dtype=dtype or like.dtype)
+        for grad, (like, dtype) in zip(grads, markers, strict=True)
+    )

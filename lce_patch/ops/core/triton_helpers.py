@@ -1,4 +1,5 @@
-"""Triton helpers every op's kernels share: the logit transform, a NaN-keeping max, an in-place scale.
+"""Triton helpers every op's kernels share: the logit transform, a NaN-keeping max, a per-lane argmax, log1p, an
+in-place scale.
 
 Imported only where Triton is installed (:data:`lce_patch.ops.core.backend.HAS_TRITON`).
 """
@@ -23,6 +24,25 @@ def transform_logits(raw, logit_scale, softcap, inv_temperature, HAS_SOFTCAP: tl
         t = raw * 0.0
         z = raw * (logit_scale * inv_temperature)
     return z, t
+
+
+@triton.jit
+def lane_argmax(z, cols, block_max, lane_max, lane_arg):
+    """Each lane's argmax after folding in a block: the first column of the block's max in the lane (a NaN's
+    when the max is NaN) where that max beats the lane's so far, strictly (its earlier columns win ties) or as
+    the lane's first NaN; else the lane's column so far. A lane whose logits are all -inf (or padding) keeps its
+    initial 0: it can hold the row's max only when every logit is -inf, where the argmax is 0."""
+    hit = (z == block_max[:, None]) | (z != z)
+    block_arg = tl.min(tl.where(hit, cols, 2147483647), 1)
+    take = (block_max > lane_max) | ((block_max != block_max) & (lane_max == lane_max))
+    return tl.where(take, block_arg, lane_arg)
+
+
+@triton.jit
+def log1p(x):
+    """log(1 + x) to a few ulps for small x (Goldberg's correction; Triton has no portable log1p)."""
+    u = 1.0 + x
+    return tl.where(u == 1.0, x, tl.log(u) * (x / (u - 1.0)))
 
 
 @triton.jit

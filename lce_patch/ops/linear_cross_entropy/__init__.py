@@ -8,19 +8,27 @@ from .functional import (
     fused_linear_log_probs,
     start_valid_token_count,
 )
+from .inputs import loss_weights, shift_labels
 from .naive import naive_distribution_statistics, naive_linear_cross_entropy, naive_logits, naive_token_outputs
-from .vocab_parallel import VocabShard
+from .options import OP_NAME, CrossEntropyOptions, VocabShard, check_flag
+from .vocab_parallel import is_dtensor
 
 __all__ = [
+    "OP_NAME",
+    "CrossEntropyOptions",
     "CrossEntropyOutputs",
     "FusedLinearCrossEntropy",
     "TokenOutputs",
     "VocabShard",
     "fused_linear_cross_entropy",
+    "check_flag",
     "fused_linear_log_probs",
+    "is_dtensor",
+    "loss_weights",
     "naive_distribution_statistics",
     "naive_linear_cross_entropy",
     "naive_logits",
     "naive_token_outputs",
+    "shift_labels",
     "start_valid_token_count",
 ]

@@ -26,7 +26,7 @@ import torch
 from ..core.backend import stats_dtype
 from ..core.checks import selected_rows
 from ..core.chunking import resolve_chunks
-from ..core.grads import LowRank, absent_to_none
+from ..core.grads import LowRank, absent_to_none, none_to_absent
 from .autograd import Saved, op_backward
 from .chunked import chunked_forward
 from .options import OP_NAME, SCHEMA, CrossEntropyOptions
@@ -42,18 +42,16 @@ def _empty(like: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor
 
 
 def _grads_or_empty(grads, hidden, weight, low_rank_hidden, low_rank_weight) -> tuple[torch.Tensor, ...]:
-    """(dh, dw, db, d_low_rank_hidden, d_low_rank_weight) with an empty tensor for each None."""
-    dh, dw, db, d_low_rank_hidden, d_low_rank_weight = grads or (None,) * 5
-    return (
-        dh if dh is not None else _empty(hidden),
-        dw if dw is not None else _empty(weight),
-        db if db is not None else _empty(hidden, stats_dtype(hidden.dtype)),
-        d_low_rank_hidden
-        if d_low_rank_hidden is not None
-        else _empty(hidden if low_rank_hidden is None else low_rank_hidden),
-        d_low_rank_weight
-        if d_low_rank_weight is not None
-        else _empty(weight if low_rank_weight is None else low_rank_weight),
+    """(dh, dw, db, d_low_rank_hidden, d_low_rank_weight) with the "not computed" marker for each None."""
+    return none_to_absent(
+        grads,
+        (
+            (hidden, None),
+            (weight, None),
+            (hidden, stats_dtype(hidden.dtype)),
+            (hidden if low_rank_hidden is None else low_rank_hidden, None),
+            (weight if low_rank_weight is None else low_rank_weight, None),
+        ),
     )
 
 

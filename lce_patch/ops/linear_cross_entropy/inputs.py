@@ -7,9 +7,8 @@ import math
 
 import torch
 
-from .options import fail
-
-_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+from ..core import checks
+from .options import OP_NAME, fail
 
 
 def _shape(value) -> tuple | str:
@@ -17,35 +16,17 @@ def _shape(value) -> tuple | str:
 
 
 def check_inputs(hidden, weight, bias, labels) -> None:
-    for name, value in (("hidden", hidden), ("weight", weight), ("labels", labels), ("bias", bias)):
-        if not isinstance(value, torch.Tensor) and not (name == "bias" and value is None):
-            fail(f"{name} must be a torch.Tensor{' or None' if name == 'bias' else ''}, got {type(value).__name__}")
-    if hidden.dim() not in (2, 3):
-        fail(f"hidden must be a [N, D] or [B, T, D] tensor, got shape {_shape(hidden)}")
-    if weight.dim() != 2:
-        fail(f"weight must be a [V, D] tensor, got shape {_shape(weight)}")
-    if weight.shape[1] != hidden.shape[-1]:
-        fail(f"hidden's last dim ({hidden.shape[-1]}) does not match weight's D ({weight.shape[1]})")
-    if weight.shape[0] == 0:
-        fail("weight has an empty vocabulary (V = 0)")
+    tensors = checks.check_tensors(
+        {"hidden": hidden, "weight": weight, "labels": labels, "bias": bias}, ("bias",), OP_NAME
+    )
+    checks.check_hidden(hidden, OP_NAME)
+    checks.check_head(hidden, weight, bias, OP_NAME)
     if tuple(labels.shape) != tuple(hidden.shape[:-1]):
         fail(f"labels must have shape {tuple(hidden.shape[:-1])} (hidden without its last dim), got {_shape(labels)}")
-    if labels.dtype.is_floating_point or labels.dtype.is_complex or labels.dtype == torch.bool:
+    if not checks.is_integer(labels):
         fail(f"labels must be an integer tensor, got {labels.dtype}")
-    if bias is not None and tuple(bias.shape) != (weight.shape[0],):
-        fail(f"bias must have shape ({weight.shape[0]},), got {_shape(bias)}")
-    tensors = {"hidden": hidden, "weight": weight, "labels": labels}
-    if bias is not None:
-        tensors["bias"] = bias
-    devices = {name: t.device for name, t in tensors.items()}
-    if len(set(devices.values())) > 1:
-        fail(f"all inputs must be on one device, got {devices}")
-    for name in ("hidden", "weight", "bias"):
-        if name in tensors and tensors[name].dtype not in _FLOAT_DTYPES:
-            fail(
-                f"{name} has unsupported dtype {tensors[name].dtype}; expected float32, float16, bfloat16 "
-                "or float64 (torch backend)"
-            )
+    checks.check_one_device(tensors, OP_NAME)
+    checks.check_float_dtypes(tensors, ("hidden", "weight", "bias"), OP_NAME)
 
 
 def low_rank_inputs(low_rank_hidden, low_rank_weight, hidden, weight) -> tuple | None:
@@ -57,7 +38,7 @@ def low_rank_inputs(low_rank_hidden, low_rank_weight, hidden, weight) -> tuple |
     for name, value in (("low_rank_hidden", low_rank_hidden), ("low_rank_weight", low_rank_weight)):
         if not isinstance(value, torch.Tensor):
             fail(f"{name} must be a torch.Tensor, got {type(value).__name__}")
-        if value.dtype not in _FLOAT_DTYPES:
+        if value.dtype not in checks.FLOAT_DTYPES:
             fail(f"{name} has unsupported dtype {value.dtype}; expected a float dtype")
         if value.device != hidden.device:
             fail(f"{name} is on {value.device}, hidden on {hidden.device}: all inputs must be on one device")

@@ -119,7 +119,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ..core.triton_helpers import max_keep_nan, transform_logits
+from ..core.triton_helpers import lane_argmax, log1p, max_keep_nan, transform_logits
 
 # With UNNORMALIZED_GRAD, a row's exponentials are taken against a reference at most this far below
 # the bound of its logits (see _stats_kernel).
@@ -196,7 +196,7 @@ def _stats_block(
                 z_max = tl.reshape(z, [z.shape[0] // MAX_REGROUP, z.shape[1] * MAX_REGROUP])
                 max_cols = tl.reshape(cols, [z.shape[0] // MAX_REGROUP, z.shape[1] * MAX_REGROUP])
             block_max = tl.reduce(z_max, 1, max_keep_nan)
-            lane_arg = _lane_argmax(z_max, max_cols, block_max, lane_max, lane_arg)
+            lane_arg = lane_argmax(z_max, max_cols, block_max, lane_max, lane_arg)
             lane_max = max_keep_nan(lane_max, block_max)
     else:
         # One running max per lane, i.e. per GROUP logits: one rescale exp per group, one exp per
@@ -204,7 +204,7 @@ def _stats_block(
         # lane would otherwise look like padding below and vanish from the sums.
         block_max = tl.reduce(z, 1, max_keep_nan)
         if WANT_ARGMAX:
-            lane_arg = _lane_argmax(z, cols, block_max, lane_max, lane_arg)
+            lane_arg = lane_argmax(z, cols, block_max, lane_max, lane_arg)
         new_max = max_keep_nan(lane_max, block_max)
         empty_lane = new_max == float("-inf")  # only padding seen so far: keep zero sums, no inf - inf
         rescale = tl.where(empty_lane, 1.0, tl.exp(lane_max - new_max))
@@ -232,25 +232,6 @@ def _stats_block(
     if WEIGHTED_SMOOTHING:  # q is 0 past the row's end, where z_or_0 is 0 too
         lane_qz += tl.sum(_load_block(q_ptr, cols, vocab_size, MASKED) * z_or_0, 1)
     return lane_max, lane_sum, lane_sum_z, lane_z, lane_sum_sq, lane_rest, lane_ties, lane_qz, lane_arg
-
-
-@triton.jit
-def _lane_argmax(z, cols, block_max, lane_max, lane_arg):
-    """Each lane's argmax after folding in a block: the first column of the block's max in the lane (a NaN's
-    when the max is NaN) where that max beats the lane's so far, strictly (its earlier columns win ties) or as
-    the lane's first NaN; else the lane's column so far. A lane whose logits are all -inf (or padding) keeps its
-    initial 0: it can hold the row's max only when every logit is -inf, where the argmax is 0."""
-    hit = (z == block_max[:, None]) | (z != z)
-    block_arg = tl.min(tl.where(hit, cols, 2147483647), 1)
-    take = (block_max > lane_max) | ((block_max != block_max) & (lane_max == lane_max))
-    return tl.where(take, block_arg, lane_arg)
-
-
-@triton.jit
-def _log1p(x):
-    """log(1 + x) to a few ulps for small x (Goldberg's correction; Triton has no portable log1p)."""
-    u = 1.0 + x
-    return tl.where(u == 1.0, x, tl.log(u) * (x / (u - 1.0)))
 
 
 @triton.jit
@@ -409,7 +390,7 @@ def _stats_kernel(
             )
             rest_below = tl.sum(tl.where(at_max, lane_rest, lane_weight * lane_seen), 0)
             rest = rest_below + (tl.sum(tl.where(at_max, lane_ties, 0.0), 0) - 1.0)
-            entropy = _log1p(rest) + gap_sum / (1.0 + rest) + 0.0 * running_max  # NaN logits: NaN
+            entropy = log1p(rest) + gap_sum / (1.0 + rest) + 0.0 * running_max  # NaN logits: NaN
         if WANT_LOG_SUM_SQ:  # (the launcher never combines it with FIXED_MAX)
             sum_exp_sq = tl.sum(lane_sum_sq * (lane_weight * lane_weight), 0)
     sum_z = tl.sum(lane_z, 0)

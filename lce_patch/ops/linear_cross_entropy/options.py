@@ -1,5 +1,6 @@
 """The cross-entropy op's name (every message starts with it), its checks bound to that name, and
-:class:`CrossEntropyOptions`, everything about one call that is not a tensor.
+:class:`CrossEntropyOptions`, everything about one call that is not a tensor, with :class:`VocabShard`, the
+rank's part of a vocabulary split across a process group (used by ``vocab_parallel.py``).
 
 The public functions build one options object per call (its checks run there, once); the label shift and the
 vocabulary-parallel path read it, the chunked forward and backward take it whole, and the custom operators take
@@ -10,15 +11,12 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Any
 
 from ..core import checks
 from ..core.backend import BACKENDS
 from ..core.schema import OPERATOR, OptionsSchema
-from .rows import LogitTransform
-
-if TYPE_CHECKING:
-    from .vocab_parallel import VocabShard
+from ..core.transform import LogitTransform
 
 OP_NAME = "fused_linear_cross_entropy"
 REDUCTIONS = ("mean", "sum", "items")  # scalar losses; None: per-token outputs
@@ -37,8 +35,22 @@ def check_real(name: str, value, **bounds) -> None:
 
 
 def check_flag(name: str, value) -> None:
-    if not isinstance(value, bool):
-        fail(f"{name} must be a bool, got {value!r}")
+    checks.check_flag(name, value, OP_NAME)
+
+
+@dataclass(frozen=True)
+class VocabShard:
+    """This rank's part of a vocabulary split across a process group.
+
+    start: the vocabulary id of the local weight's first row; total: the whole vocabulary's size V;
+    group: the ``torch.distributed`` process group the vocabulary is split over (None: the default
+    group). The local weight holds rows ``[start, start + V_local)``; the shards of the group's ranks
+    must tile ``[0, total)`` exactly, and hidden states and labels must be the same on every rank.
+    """
+
+    start: int
+    total: int
+    group: Any = None
 
 
 @dataclass(frozen=True)

@@ -36,29 +36,13 @@ one all-reduce of dh ([N, D]), which the unfused head's backward performs too.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from ..core.backend import stats_dtype
-from .options import fail
+from .options import VocabShard, fail
 from .rows import LogitTransform, RowOutputs, chunk_grad, chunk_stats, final_logits
-
-
-@dataclass(frozen=True)
-class VocabShard:
-    """This rank's part of a vocabulary split across a process group.
-
-    start: the vocabulary id of the local weight's first row; total: the whole vocabulary's size V;
-    group: the ``torch.distributed`` process group the vocabulary is split over (None: the default
-    group). The local weight holds rows ``[start, start + V_local)``; the shards of the group's ranks
-    must tile ``[0, total)`` exactly, and hidden states and labels must be the same on every rank.
-    """
-
-    start: int
-    total: int
-    group: Any = None
 
 
 def is_dtensor(tensor: Any) -> bool:

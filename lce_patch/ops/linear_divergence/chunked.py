@@ -1,7 +1,7 @@
 """The chunked autograd Function of ``fused_linear_divergence``, shared by both backends.
 
-Tokens are processed ``chunk_rows`` at a time. For each chunk the student's logits ``hidden_c @ W.T`` and the
-teacher's ``teacher_hidden_c @ W_t.T`` are two GEMMs into ``[chunk_rows, V]`` buffers, upcast to at least fp32;
+Tokens are processed a chunk of rows at a time (``chunk_size`` rows, or the two-head chunk policy of ``core.chunking``). For each chunk the student's logits ``hidden_c @ W.T`` and the
+teacher's ``teacher_hidden_c @ W_t.T`` are two GEMMs into ``[chunk, V]`` buffers, upcast to at least fp32;
 the final logits (logit scale, softcap, temperature) give both log-softmaxes, the per-token divergence and the
 student's entropy, and, when gradients are needed, the divergence's gradient with respect to the student's
 raw logits ``G`` (below); two more GEMMs give ``dh_c = G @ W`` and ``dW += G.T @ hidden_c`` (fp32 accumulator).
@@ -23,7 +23,7 @@ recomputes each chunk in the backward with the per-token upstream gradients.
 Rows outside ``mask`` are computed and weighted by 0 (no host sync to count them). FLOPs: 2·N·V·D_t
 (teacher) + 6·N·V·D (student logits, dh, dW).
 
-Two row implementations. The torch one (any device, float64 too) upcasts both ``[chunk_rows, V]`` products to
+Two row implementations. The torch one (any device, float64 too) upcasts both ``[chunk, V]`` products to
 at least fp32 and keeps about six such temporaries (the dW policy is ``GradAccumulator``'s, as below). The
 Triton one (``kernels.py``) keeps the two GEMM outputs in the compute dtype in two buffers reused by every
 chunk, turns the student's into G in place, and adds each chunk's ``G.T @ hidden_c`` into dW as the
@@ -39,16 +39,15 @@ import math
 import torch
 
 from ..core.backend import HAS_TRITON, next_power_of_2, stats_dtype
-from ..core.checks import check_num_items
-from ..core.chunking import chunk_spans
-from ..core.chunking import default_chunk_rows as gemm_chunk_rows
-from ..core.grads import GradAccumulator, claim_scalar_backward, matmul_into, scaled_by_upstream
+from ..core.chunking import chunk_spans, sm_count, two_head_chunk_rows
+from ..core.grads import GradAccumulator, matmul_into
+from ..core.reduction import loss_scale
+from ..core.transform import transform_logits
 from .options import OP_NAME, DivergenceOptions
 
 if HAS_TRITON:
     from .kernels import launch_divergence
 
-DEFAULT_LOGITS_BUDGET_BYTES = 256 * 1024 * 1024  # torch rows: one [chunk_rows, V] fp32 buffer
 # Triton rows: vocabulary block per loop iteration of the one-program-per-row kernel, and its warps.
 _BLOCK_V = 2048
 _NUM_WARPS = 8
@@ -57,31 +56,18 @@ _NUM_WARPS = 8
 # default chunking, and slower or equal at 1024-2048 rows) and costs a second teacher buffer: not done.
 
 
-def default_chunk_rows(
-    num_rows: int,
-    vocab: int,
-    *,
-    use_triton: bool = False,
-    dtype: torch.dtype = torch.float32,
-    hidden_size: int | None = None,
-    num_sms: int | None = None,
-) -> int:
-    """Token rows per chunk. Torch rows: a [chunk, V] fp32 temporary of about 256 MiB. Triton rows: the
-    cross-entropy op's choice for the student's GEMMs (at least 1024 rows, enough rows for the dh GEMM
-    to fill the GPU at a thin hidden size, at most 16 bf16 roundings of dW), which also sizes the
-    teacher's buffer."""
-    if use_triton:
-        return gemm_chunk_rows(num_rows, vocab, dtype, True, hidden_size=hidden_size, num_sms=num_sms)
-    return max(1, min(num_rows, DEFAULT_LOGITS_BUDGET_BYTES // (4 * vocab)))
-
-
-def _final_logits(raw: torch.Tensor, scale: float, softcap: float | None, temperature: float):
-    """(final logits, tanh of the softcap or None) from ``raw`` = hidden @ W.T (+ bias), upcast."""
-    scaled = raw * scale if scale != 1.0 else raw
-    if softcap is None:
-        return scaled / temperature, None
-    tanh = torch.tanh(scaled / softcap)
-    return softcap * tanh / temperature, tanh
+def chunk_rows(hidden: torch.Tensor, weight: torch.Tensor, options: DivergenceOptions) -> int:
+    """Token rows per chunk: ``options.chunk_size``, else :func:`..core.chunking.two_head_chunk_rows`'s."""
+    if options.chunk_size is not None:
+        return options.chunk_size
+    return two_head_chunk_rows(
+        hidden.shape[0],
+        weight.shape[0],
+        hidden.dtype,
+        options.use_triton,
+        hidden_size=hidden.shape[-1],
+        num_sms=sm_count(hidden) if options.use_triton else None,
+    )
 
 
 def _project(hidden, weight, bias, dtype: torch.dtype, fp32_logits: bool) -> torch.Tensor:
@@ -114,9 +100,9 @@ def chunk_pass(
     """
     dtype = torch.promote_types(weight.dtype, torch.float32)
     raw = _project(hidden_c, weight, bias, dtype, options.fp32_logits)
-    z, tanh = _final_logits(raw, options.logit_scale, options.softcap, options.temperature)
+    z, tanh = transform_logits(raw, options.logit_scale, options.softcap, options.temperature)
     with torch.no_grad():
-        zt, _ = _final_logits(
+        zt, _ = transform_logits(
             _project(teacher_hidden_c, teacher_weight, teacher_bias, dtype, options.fp32_logits),
             options.teacher_logit_scale,
             options.teacher_softcap,
@@ -170,7 +156,7 @@ def _run_triton_chunks(hidden, teacher_hidden, weight, bias, teacher_weight, tea
     # addmm's bias must have the product's dtype (a bias in another dtype: a copy of V elements)
     bias = None if bias is None else bias.to(weight.dtype)
     teacher_bias = None if teacher_bias is None else teacher_bias.to(teacher_weight.dtype)
-    spans = chunk_spans(num_rows, options.chunk_rows, fold_tail=True)
+    spans = chunk_spans(num_rows, chunk_rows(hidden, weight, options), fold_tail=True)
     buffer_rows = max(end - start for start, end in spans)
     # fp32_logits: both GEMMs write fp32, and the gradient goes to a third buffer in the student's dtype
     # (the dh and dW GEMMs' operand); otherwise it overwrites the student's logits in place.
@@ -220,7 +206,7 @@ def run_chunks(hidden, teacher_hidden, weight, bias, teacher_weight, teacher_bia
     grads = None
     if row_coeff is not None:
         grads = GradAccumulator(hidden, weight, bias, *options.needs_grad, fp32_weight_grad=options.fp32_weight_grad)
-    for start, end in chunk_spans(num_rows, options.chunk_rows):
+    for start, end in chunk_spans(num_rows, chunk_rows(hidden, weight, options)):
         hidden_c = hidden[start:end]
         coeff = None if row_coeff is None else row_coeff[start:end]
         div_c, ent_c, grad = chunk_pass(
@@ -233,31 +219,19 @@ def run_chunks(hidden, teacher_hidden, weight, bias, teacher_weight, teacher_bia
     return divergence, entropy, grads
 
 
-def loss_scale(row_weight: torch.Tensor, num_items: torch.Tensor | None, reduction: str) -> torch.Tensor | None:
-    """The factor of the sum of selected divergences (0-d, compute dtype), or None for ``reduction="none"``:
-    1 / (selected tokens) for "mean", 1 for "sum", 1 / ``num_items`` when given (checked here, inside the op,
-    where a value check costs no graph break under ``torch.compile``). No selected token (or num_items 0 with
-    none selected): 0, so the loss is a finite 0 with zero gradients."""
-    if reduction == "none":
-        return None
-    compute = row_weight.dtype
-    count = row_weight.sum()
-    if num_items is not None:
-        check_num_items(
-            num_items, count, op_name=OP_NAME, none_counted="no token is selected", counted="selected tokens"
-        )
-        count = num_items.to(compute)
-    elif reduction == "sum":
-        count = torch.ones((), dtype=compute, device=row_weight.device)
-    return torch.where(count > 0, 1 / count.clamp(min=torch.finfo(compute).tiny), torch.zeros_like(count))
-
-
 def divergence_forward(
     hidden, weight, bias, teacher_hidden, teacher_weight, teacher_bias, row_weight, num_items, options
 ):
     """(loss, entropy, (dh, dW, db) or None): the loss 0-d for a scalar reduction (with its gradients, scaled by
     the reduction, when ``options.needs_grad`` asks for any) or [N] per token; fp32 (fp64 for fp64 inputs)."""
-    scale = loss_scale(row_weight, num_items, options.reduction)
+    scale = loss_scale(
+        row_weight.sum(),
+        num_items,
+        options.reduction,
+        op_name=OP_NAME,
+        none_counted="no token is selected",
+        counted="selected tokens",
+    )
     grads = None
     if scale is not None and any(options.needs_grad):
         divergence, entropy, accumulator = run_chunks(
@@ -275,46 +249,3 @@ def divergence_forward(
     out = divergence.sum() * scale if scale is not None else divergence
     out_dtype = stats_dtype(weight.dtype)
     return out.to(out_dtype), entropy.to(out_dtype), grads
-
-
-def divergence_backward(saved: tuple, grad_out: torch.Tensor | None, options: DivergenceOptions, *, in_place: bool):
-    """The op's one backward, for the autograd Function (eager calls, ``in_place``) and the custom operator
-    (compiled calls) alike: (dh, dW, db).
-
-    A scalar loss: ``saved`` holds the gradients its forward computed, scaled here by ``grad_out`` (0-d).
-    Per-token losses: ``saved`` holds the forward's tensors (hidden, weight, bias, teacher_hidden,
-    teacher_weight, teacher_bias, row_weight); each chunk is recomputed with its rows' upstream gradients
-    ``grad_out`` [N].
-    """
-    if options.scalar:
-        return scaled_by_upstream(saved, grad_out, in_place=in_place, use_triton=options.use_triton)
-    if grad_out is None:
-        return None, None, None
-    hidden, weight, bias, teacher_hidden, teacher_weight, teacher_bias, row_weight = saved
-    coeff = grad_out.to(row_weight.dtype) * row_weight
-    _, _, grads = run_chunks(hidden, teacher_hidden, weight, bias, teacher_weight, teacher_bias, options, coeff)
-    return grads.results(weight.dtype, None if bias is None else bias.dtype)
-
-
-class LinearDivergenceFunction(torch.autograd.Function):
-    """The op for eager calls. Inputs are 2-D ([N, D], [N, D_t]); ``row_weight`` [N] is 1 for selected rows
-    and 0 elsewhere; ``num_items`` a 0-d tensor or None; then the :class:`DivergenceOptions`."""
-
-    @staticmethod
-    def forward(
-        ctx, hidden, weight, bias, teacher_hidden, teacher_weight, teacher_bias, row_weight, num_items, options
-    ):
-        ctx.options = options
-        tensors = (hidden, weight, bias, teacher_hidden, teacher_weight, teacher_bias, row_weight)
-        out, entropy, grads = divergence_forward(*tensors, num_items, options)
-        ctx.save_for_backward(*(grads or (None,) * 3) if options.scalar else tensors)
-        ctx.mark_non_differentiable(entropy)
-        return out, entropy
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, grad_out, _grad_entropy):
-        if ctx.options.scalar:
-            claim_scalar_backward(ctx, OP_NAME)
-        dh, dw, db = divergence_backward(ctx.saved_tensors, grad_out, ctx.options, in_place=True)
-        return dh, dw, db, *(None,) * 6

@@ -4,7 +4,7 @@ As for the cross-entropy op (``linear_cross_entropy/custom_op.py``): under ``tor
 ``lce_patch::linear_divergence``, one opaque node with a fake implementation for shapes and a registered
 autograd formula, instead of tracing the chunk loop (host-sized chunks, Triton kernels and cuBLAS GEMMs into
 reused buffers, a value check of ``num_items_in_batch``). Eager calls keep ``LinearDivergenceFunction``; both
-run :func:`chunked.divergence_forward` and the one :func:`chunked.divergence_backward`, so they give the same
+run :func:`chunked.divergence_forward` and the one :func:`autograd.divergence_backward`, so they give the same
 numbers. The operators' arguments after the tensors are the fields of :class:`DivergenceOptions`
 (:mod:`..core.schema`).
 
@@ -18,9 +18,10 @@ from __future__ import annotations
 import torch
 
 from ..core.backend import stats_dtype
-from ..core.grads import absent_to_none
+from ..core.grads import absent_to_none, none_to_absent
 from ..core.schema import OptionsSchema
-from .chunked import divergence_backward, divergence_forward
+from .autograd import divergence_backward
+from .chunked import divergence_forward
 from .options import DivergenceOptions
 
 _TENSORS = (
@@ -31,13 +32,8 @@ _OPTIONS = OptionsSchema(DivergenceOptions)
 
 
 def _grads_or_empty(grads, hidden: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """(dh, dW, db) with the "not computed" marker (an empty tensor) for each None."""
-    dh, dw, db = grads or (None, None, None)
-    return (
-        dh if dh is not None else hidden.new_empty(0),
-        dw if dw is not None else weight.new_empty(0),
-        db if db is not None else hidden.new_empty(0, dtype=stats_dtype(weight.dtype)),
-    )
+    """(dh, dW, db) with the "not computed" marker for each None."""
+    return none_to_absent(grads, ((hidden, None), (weight, None), (hidden, stats_dtype(weight.dtype))))
 
 
 def _forward(hidden, weight, bias, teacher_hidden, teacher_weight, teacher_bias, row_weight, num_items, *values):

@@ -8,45 +8,35 @@ import torch
 from ..core import checks
 from ..core.backend import resolve_backend
 from ..core.grads import fp32_output_gemm_available
-from .chunked import LinearDivergenceFunction, default_chunk_rows
+from ..core.reduction import check_reduction
+from .autograd import LinearDivergenceFunction
 from .custom_op import compiled_linear_divergence
-from .options import OP_NAME, REDUCTIONS, DivergenceOptions
-from .options import check_real as _real
+from .options import OP_NAME, DivergenceOptions
 from .options import fail as _fail
-
-_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 
 def _check(hidden, weight, bias, teacher_hidden, teacher_weight, teacher_bias, mask) -> None:
-    tensors = {
-        "hidden": hidden,
-        "weight": weight,
-        "teacher_hidden": teacher_hidden,
-        "teacher_weight": teacher_weight,
-        "bias": bias,
-        "teacher_bias": teacher_bias,
-        "mask": mask,
-    }
-    for name, value in tensors.items():
-        optional = name in ("bias", "teacher_bias", "mask")
-        if not isinstance(value, torch.Tensor) and not (optional and value is None):
-            _fail(f"{name} must be a torch.Tensor{' or None' if optional else ''}, got {type(value).__name__}")
-    if hidden.dim() not in (2, 3):
-        _fail(f"hidden must be a [N, D] or [B, T, D] tensor, got shape {tuple(hidden.shape)}")
+    tensors = checks.check_tensors(
+        {
+            "hidden": hidden,
+            "weight": weight,
+            "teacher_hidden": teacher_hidden,
+            "teacher_weight": teacher_weight,
+            "bias": bias,
+            "teacher_bias": teacher_bias,
+            "mask": mask,
+        },
+        ("bias", "teacher_bias", "mask"),
+        OP_NAME,
+    )
+    checks.check_hidden(hidden, OP_NAME)
     if tuple(teacher_hidden.shape[:-1]) != tuple(hidden.shape[:-1]) or teacher_hidden.dim() != hidden.dim():
         _fail(
             f"teacher_hidden must have hidden's leading shape {tuple(hidden.shape[:-1])} (its own hidden size "
             f"last), got {tuple(teacher_hidden.shape)}"
         )
-    for prefix, h, w, b in (("", hidden, weight, bias), ("teacher_", teacher_hidden, teacher_weight, teacher_bias)):
-        if w.dim() != 2:
-            _fail(f"{prefix}weight must be a [V, D] tensor, got shape {tuple(w.shape)}")
-        if w.shape[1] != h.shape[-1]:
-            _fail(f"{prefix}hidden's last dim ({h.shape[-1]}) does not match {prefix}weight's D ({w.shape[1]})")
-        if b is not None and tuple(b.shape) != (w.shape[0],):
-            _fail(f"{prefix}bias must have shape ({w.shape[0]},), got {tuple(b.shape)}")
-    if weight.shape[0] == 0:
-        _fail("weight has an empty vocabulary (V = 0)")
+    checks.check_head(hidden, weight, bias, OP_NAME)
+    checks.check_head(teacher_hidden, teacher_weight, teacher_bias, OP_NAME, prefix="teacher_", nonempty=False)
     if teacher_weight.shape[0] < weight.shape[0]:
         _fail(
             f"the teacher's vocabulary ({teacher_weight.shape[0]} rows) is smaller than the student's "
@@ -57,15 +47,12 @@ def _check(hidden, weight, bias, teacher_hidden, teacher_weight, teacher_bias, m
             _fail(
                 f"mask must have shape {tuple(hidden.shape[:-1])} (hidden without its last dim), got {tuple(mask.shape)}"
             )
-        if mask.dtype != torch.bool and (mask.dtype.is_floating_point or mask.dtype.is_complex):
+        if mask.dtype != torch.bool and not checks.is_integer(mask):
             _fail(f"mask must be a bool or integer (0/1) tensor, got {mask.dtype}")
-    present = {name: t for name, t in tensors.items() if isinstance(t, torch.Tensor)}
-    devices = {t.device for t in present.values()}
-    if len(devices) > 1:
-        _fail(f"all inputs must be on one device, got { ({n: str(t.device) for n, t in present.items()}) }")
-    for name, t in present.items():
-        if name != "mask" and t.dtype not in _FLOAT_DTYPES:
-            _fail(f"{name} has unsupported dtype {t.dtype}; expected float32, float16, bfloat16 or float64")
+    checks.check_one_device(tensors, OP_NAME)
+    checks.check_float_dtypes(
+        tensors, ("hidden", "weight", "teacher_hidden", "teacher_weight", "bias", "teacher_bias"), OP_NAME
+    )
     if len({weight.dtype, hidden.dtype}) > 1:
         _fail(f"hidden ({hidden.dtype}) and weight ({weight.dtype}) must have one dtype")
     if len({teacher_weight.dtype, teacher_hidden.dtype}) > 1:
@@ -135,28 +122,12 @@ def fused_linear_divergence(
         With no token selected the loss is 0 and every gradient is 0.
     """
     _check(hidden, weight, bias, teacher_hidden, teacher_weight, teacher_bias, mask)
-    _real("beta", beta)
-    if not 0 <= beta <= 1:
-        _fail(f"beta must be in [0, 1], got {beta}")
-    _real("temperature", temperature, positive=True)
-    _real("softcap", softcap, positive=True, allow_none=True)
-    _real("teacher_softcap", teacher_softcap, positive=True, allow_none=True)
-    _real("logit_scale", logit_scale)
-    _real("teacher_logit_scale", teacher_logit_scale)
-    if reduction not in REDUCTIONS:
-        _fail(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+    check_reduction(reduction, num_items_in_batch, OP_NAME)
     use_triton = resolve_backend(backend, hidden.device, hidden.dtype, OP_NAME)
     if use_triton and teacher_hidden.dtype == torch.float64:
         _fail("the triton backend supports float32, float16 and bfloat16; use backend='torch' for a float64 teacher")
-    if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
-        _fail(f"chunk_size must be a positive int, got {chunk_size!r}")
-    for name, flag in (("fp32_logits", fp32_logits), ("fp32_weight_grad", fp32_weight_grad)):
-        if not isinstance(flag, bool):
-            _fail(f"{name} must be a bool, got {flag!r}")
-    if fp32_logits and not fp32_output_gemm_available(hidden.device):
+    if fp32_logits is True and not fp32_output_gemm_available(hidden.device):
         _fail("fp32_logits needs torch's fp32-output GEMM (torch.mm(..., out_dtype=), torch >= 2.8) on CUDA")
-    if num_items_in_batch is not None and reduction == "none":
-        _fail("num_items_in_batch needs a scalar reduction ('mean' or 'sum'), not 'none'")
 
     leading = hidden.shape[:-1]
     vocab = weight.shape[0]
@@ -175,13 +146,13 @@ def fused_linear_divergence(
         num_items = checks.num_items_tensor(num_items_in_batch, hidden.device, OP_NAME)
     grad_on = torch.is_grad_enabled()
     options = DivergenceOptions(
-        beta=float(beta),
-        temperature=float(temperature),
-        softcap=None if softcap is None else float(softcap),
-        teacher_softcap=None if teacher_softcap is None else float(teacher_softcap),
-        logit_scale=float(logit_scale),
-        teacher_logit_scale=float(teacher_logit_scale),
-        chunk_rows=chunk_size or _default_chunk_rows(num_rows, vocab, hidden, use_triton),
+        beta=beta,
+        temperature=temperature,
+        softcap=softcap,
+        teacher_softcap=teacher_softcap,
+        logit_scale=logit_scale,
+        teacher_logit_scale=teacher_logit_scale,
+        chunk_size=chunk_size,
         use_triton=use_triton,
         reduction=reduction,
         needs_grad=(
@@ -189,8 +160,8 @@ def fused_linear_divergence(
             grad_on and weight.requires_grad,
             grad_on and bias is not None and bias.requires_grad,
         ),
-        fp32_logits=bool(fp32_logits),
-        fp32_weight_grad=bool(fp32_weight_grad),
+        fp32_logits=fp32_logits,
+        fp32_weight_grad=fp32_weight_grad,
     )
     if num_rows == 0:
         loss = (hidden_2d.sum() * 0).float() if reduction != "none" else hidden_2d.new_zeros(0, dtype=torch.float32)
@@ -208,17 +179,3 @@ def fused_linear_divergence(
     entropy = entropy.reshape(leading)
     entropy = entropy if entropy.dtype == torch.float64 else entropy.float()
     return (loss, entropy) if return_entropy else loss
-
-
-def _default_chunk_rows(num_rows: int, vocab: int, hidden: torch.Tensor, use_triton: bool) -> int:
-    num_sms = None
-    if use_triton and hidden.is_cuda:
-        num_sms = torch.cuda.get_device_properties(hidden.device).multi_processor_count
-    return default_chunk_rows(
-        max(num_rows, 1),
-        vocab,
-        use_triton=use_triton,
-        dtype=hidden.dtype,
-        hidden_size=hidden.shape[-1],
-        num_sms=num_sms,
-    )

@@ -23,9 +23,9 @@ import dataclasses
 import torch
 
 from ..core.backend import HAS_TRITON, next_power_of_2, stats_dtype
-from ..core.checks import check_num_items
 from ..core.chunking import buffer_rows, resolve_chunks
 from ..core.grads import GradAccumulator, matmul_into
+from ..core.reduction import loss_scale
 from .options import OP_NAME, SparseDivergenceOptions, fail
 from .sparse import sparse_divergence
 
@@ -59,7 +59,9 @@ def check_candidates(ids: torch.Tensor, teacher: torch.Tensor, mask: torch.Tenso
 
 
 def _transform(raw: torch.Tensor, options: SparseDivergenceOptions):
-    """(final logits, tanh of the softcap or None) from upcast raw logits."""
+    """(final logits, tanh of the softcap or None) from upcast raw logits. Not ``core.transform``'s
+    ``softcap * tanh / temperature``: one multiply by ``softcap / temperature``, close to the Triton rows'
+    ``tanh * (softcap * inv_temperature)``; kept as it is, since reordering the products changes the op's last bits."""
     scaled = raw * options.logit_scale if options.logit_scale != 1.0 else raw
     if options.softcap is None:
         return scaled / options.temperature, None
@@ -170,27 +172,6 @@ def run_chunks(rows: _Rows, options: SparseDivergenceOptions, row_coeff: torch.T
     return divergence, entropy, grads
 
 
-def loss_scale(has_candidate: torch.Tensor, num_items: torch.Tensor | None, reduction: str, dtype: torch.dtype):
-    """The factor of the sum of the per-token divergences (0-d), or None for ``reduction="none"``: 1 / (positions
-    with a candidate) for "mean", 1 for "sum", 1 / ``num_items`` when given (checked here, inside the op, where a
-    value check costs no graph break under ``torch.compile``). Nothing counted: 0, a finite 0 loss."""
-    if reduction == "none":
-        return None
-    count = has_candidate.sum().to(dtype)
-    if num_items is not None:
-        check_num_items(
-            num_items,
-            count,
-            op_name=OP_NAME,
-            none_counted="no position has a candidate",
-            counted="positions with a candidate",
-        )
-        count = num_items.to(dtype)
-    elif reduction == "sum":
-        count = torch.ones((), dtype=dtype, device=has_candidate.device)
-    return torch.where(count > 0, 1 / count.clamp(min=torch.finfo(dtype).tiny), torch.zeros_like(count))
-
-
 def _empty(like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return like.new_empty(0, dtype=dtype)
 
@@ -202,7 +183,14 @@ def sparse_forward(hidden, weight, bias, ids, teacher, mask, num_items, options:
     check_candidates(ids, teacher, mask, weight.shape[0])
     rows = _Rows(hidden, weight, bias, ids, teacher, mask)
     has_candidate = mask.any(dim=-1)
-    scale = loss_scale(has_candidate, num_items, options.reduction, rows.stats)
+    scale = loss_scale(
+        has_candidate.sum().to(rows.stats),
+        num_items,
+        options.reduction,
+        op_name=OP_NAME,
+        none_counted="no position has a candidate",
+        counted="positions with a candidate",
+    )
     grads = None
     if scale is not None and any(options.needs_grad):
         coeff = torch.where(has_candidate, scale, torch.zeros((), dtype=rows.stats, device=hidden.device))

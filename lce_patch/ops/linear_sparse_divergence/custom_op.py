@@ -18,7 +18,7 @@ import torch
 from torch._subclasses.fake_tensor import is_fake
 
 from ..core.backend import stats_dtype
-from ..core.grads import absent_to_none, scaled_by_upstream
+from ..core.grads import absent_to_none, none_to_absent, scaled_by_upstream
 from ..core.schema import OptionsSchema
 from .chunked import sparse_backward, sparse_forward
 from .options import OP_NAME, SparseDivergenceOptions
@@ -30,12 +30,8 @@ _TENSORS = (
 
 
 def _grads_or_empty(grads, hidden, weight, stats):
-    dh, dw, db = grads or (None, None, None)
-    return (
-        dh if dh is not None else hidden.new_empty(0),
-        dw if dw is not None else weight.new_empty(0),
-        db if db is not None else hidden.new_empty(0, dtype=stats),
-    )
+    """(dh, dW, db) with the "not computed" marker for each None."""
+    return none_to_absent(grads, ((hidden, None), (weight, None), (hidden, stats)))
 
 
 @torch.library.custom_op(

@@ -8,39 +8,26 @@ import torch
 from ..core import checks
 from ..core.backend import resolve_backend
 from ..core.grads import fp32_output_gemm_available
+from ..core.reduction import check_reduction
 from .custom_op import linear_sparse_divergence
 from .options import OP_NAME, SparseDivergenceOptions, fail
 
-_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
-
-
-def _is_integer(t: torch.Tensor) -> bool:
-    return t.dtype != torch.bool and not t.dtype.is_floating_point and not t.dtype.is_complex
-
 
 def _check(hidden, weight, bias, candidate_ids, teacher_logprobs, candidate_mask) -> None:
-    tensors = {
-        "hidden": hidden,
-        "weight": weight,
-        "candidate_ids": candidate_ids,
-        "teacher_logprobs": teacher_logprobs,
-        "candidate_mask": candidate_mask,
-        "bias": bias,
-    }
-    for name, value in tensors.items():
-        optional = name in ("bias", "candidate_mask")
-        if not isinstance(value, torch.Tensor) and not (optional and value is None):
-            fail(f"{name} must be a torch.Tensor{' or None' if optional else ''}, got {type(value).__name__}")
-    if hidden.dim() not in (2, 3):
-        fail(f"hidden must be a [N, D] or [B, T, D] tensor, got shape {tuple(hidden.shape)}")
-    if weight.dim() != 2:
-        fail(f"weight must be a [V, D] tensor, got shape {tuple(weight.shape)}")
-    if weight.shape[1] != hidden.shape[-1]:
-        fail(f"hidden's last dim ({hidden.shape[-1]}) does not match weight's D ({weight.shape[1]})")
-    if weight.shape[0] == 0:
-        fail("weight has an empty vocabulary (V = 0)")
-    if bias is not None and tuple(bias.shape) != (weight.shape[0],):
-        fail(f"bias must have shape ({weight.shape[0]},), got {tuple(bias.shape)}")
+    tensors = checks.check_tensors(
+        {
+            "hidden": hidden,
+            "weight": weight,
+            "candidate_ids": candidate_ids,
+            "teacher_logprobs": teacher_logprobs,
+            "candidate_mask": candidate_mask,
+            "bias": bias,
+        },
+        ("bias", "candidate_mask"),
+        OP_NAME,
+    )
+    checks.check_hidden(hidden, OP_NAME)
+    checks.check_head(hidden, weight, bias, OP_NAME)
     leading = tuple(hidden.shape[:-1])
     if candidate_ids.dim() != hidden.dim() or tuple(candidate_ids.shape[:-1]) != leading:
         fail(
@@ -48,7 +35,7 @@ def _check(hidden, weight, bias, candidate_ids, teacher_logprobs, candidate_mask
         )
     if candidate_ids.shape[-1] == 0:
         fail("candidate_ids has no candidate slot (K = 0)")
-    if not _is_integer(candidate_ids):
+    if not checks.is_integer(candidate_ids):
         fail(f"candidate_ids must be an integer tensor, got {candidate_ids.dtype}")
     if tuple(teacher_logprobs.shape) != tuple(candidate_ids.shape):
         fail(
@@ -61,16 +48,10 @@ def _check(hidden, weight, bias, candidate_ids, teacher_logprobs, candidate_mask
                 f"candidate_mask must have candidate_ids' shape {tuple(candidate_ids.shape)}, got "
                 f"{tuple(candidate_mask.shape)}"
             )
-        if candidate_mask.dtype != torch.bool and not _is_integer(candidate_mask):
+        if candidate_mask.dtype != torch.bool and not checks.is_integer(candidate_mask):
             fail(f"candidate_mask must be a bool or integer (0/1) tensor, got {candidate_mask.dtype}")
-    present = {name: t for name, t in tensors.items() if isinstance(t, torch.Tensor)}
-    devices = {t.device for t in present.values()}
-    if len(devices) > 1:
-        fail(f"all inputs must be on one device, got { ({n: str(t.device) for n, t in present.items()}) }")
-    for name in ("hidden", "weight", "bias", "teacher_logprobs"):
-        t = present.get(name)
-        if t is not None and t.dtype not in _FLOAT_DTYPES:
-            fail(f"{name} has unsupported dtype {t.dtype}; expected float32, float16, bfloat16 or float64")
+    checks.check_one_device(tensors, OP_NAME)
+    checks.check_float_dtypes(tensors, ("hidden", "weight", "bias", "teacher_logprobs"), OP_NAME)
     if hidden.dtype != weight.dtype:
         fail(f"hidden ({hidden.dtype}) and weight ({weight.dtype}) must have one dtype")
 
@@ -171,9 +152,8 @@ def fused_linear_sparse_divergence(
         (loss, entropy [...]). With nothing counted the loss is 0 and every gradient 0.
     """
     _check(hidden, weight, bias, candidate_ids, teacher_logprobs, candidate_mask)
+    check_reduction(reduction, num_items_in_batch, OP_NAME)
     use_triton = resolve_backend(backend, hidden.device, hidden.dtype, OP_NAME)
-    if num_items_in_batch is not None and reduction == "none":
-        fail("num_items_in_batch needs a scalar reduction ('mean' or 'sum'), not 'none'")
     if fp32_logits is True and not fp32_output_gemm_available(hidden.device):
         fail("fp32_logits needs torch's fp32-output GEMM (torch.mm(..., out_dtype=), torch >= 2.8) on CUDA")
     grad_on = torch.is_grad_enabled()

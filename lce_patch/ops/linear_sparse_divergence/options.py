@@ -7,10 +7,10 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from ..core import checks
+from ..core import checks, reduction
 
 OP_NAME = "fused_linear_sparse_divergence"
-REDUCTIONS = ("mean", "sum", "none")
+REDUCTIONS = reduction.REDUCTIONS
 # The tail bucket's clamp (TRL's ``_add_tail_bucket``): the candidates' log-mass is at most this, so the tail's
 # mass is at least 1 - exp(-1e-7) and its log finite.
 TAIL_LOG_MASS_MAX = -1e-7
@@ -56,8 +56,7 @@ class SparseDivergenceOptions:
         check_real("softcap", self.softcap, positive=True, allow_none=True)
         check_real("logit_scale", self.logit_scale)
         for name in ("add_tail_bucket", "renormalize", "use_triton", "entropy", "fp32_logits", "fp32_weight_grad"):
-            if not isinstance(getattr(self, name), bool):
-                fail(f"{name} must be a bool, got {getattr(self, name)!r}")
+            checks.check_flag(name, getattr(self, name), OP_NAME)
         if self.add_tail_bucket and not self.renormalize:
             fail("renormalize=False applies without the tail bucket; add_tail_bucket=True never renormalizes")
         if self.reduction not in REDUCTIONS:
