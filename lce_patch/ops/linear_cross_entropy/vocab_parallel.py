@@ -133,6 +133,7 @@ def shard_labels(
 
         from .vocab_parallel_kernels import shard_labels_kernel
 
+        labels = labels.contiguous()
         out = torch.empty_like(labels)
         n = labels.numel()
         block = 1024
