@@ -106,9 +106,9 @@ TP_CHECK_CASES = [
     ("op", "gemma2", 2, [], ""),
     ("model", "llama", 2, ["--api", "tp_plan"], "tp2_tpplan"),  # the older spelling, tp_plan="auto"
     ("model", "gemma2", 2, ["--tokens", "128", "256"], "tp2_fsdp1"),  # DistributedConfig(tp_size=2), two counts
-    ("model", "llama", 2, ["--fsdp-size", "2"], "tp1_fsdp2"),  # DistributedConfig(fsdp_size=2): FSDP2 alone
-    ("model", "gemma2", 4, ["--fsdp-size", "2"], "tp2_fsdp2"),  # TP x FSDP2 on four processes
 ]
+# DistributedConfig(fsdp_size=2) and (tp_size=2, fsdp_size=2) run the same loading and step; their values against
+# one process are tests/models/test_distributed_config.py's, so the script is launched with them on the GPU only.
 
 
 @pytest.mark.slow

@@ -108,11 +108,16 @@ def _worker(rank: int, world_size: int, path: str, tp_size: int, fsdp_size: int)
         assert rel_err(grad, ref_grads[name]) <= 1e-5, f"rank {rank}: {name} {rel_err(grad, ref_grads[name])}"
 
 
-@pytest.mark.parametrize("arch", ["llama", "gemma2"])  # gemma2: final_logit_softcapping=2.0 (tiny.py)
 @pytest.mark.parametrize(
-    "tp_size,fsdp_size",
-    [(2, 1), (1, 2), (2, 2)],
-    ids=["tensor-parallel", "fsdp2", "tensor-parallel-x-fsdp2"],
+    "arch,tp_size,fsdp_size",
+    [
+        ("llama", 2, 1),
+        ("gemma2", 2, 1),  # gemma2: final_logit_softcapping=2.0 (tiny.py), through the vocabulary-parallel op
+        ("llama", 1, 2),  # FSDP2 gathers the whole head, as DDP has it: the softcap path is the one-GPU op's
+        ("llama", 2, 2),
+        ("gemma2", 2, 2),
+    ],
+    ids=["tensor-parallel-llama", "tensor-parallel-gemma2", "fsdp2-llama", "tp-x-fsdp2-llama", "tp-x-fsdp2-gemma2"],
 )
 def test_patched_model_under_distributed_config(arch, tp_size, fsdp_size, tmp_path):
     tiny_model(arch, vocab_size=VOCAB, tie_word_embeddings=True).save_pretrained(tmp_path)
