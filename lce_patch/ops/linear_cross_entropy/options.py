@@ -55,9 +55,9 @@ class VocabShard:
 
 @dataclass(frozen=True)
 class CrossEntropyOptions(LogitTransform):
-    """One call of the op, checked on construction. The logit transform's fields (:class:`rows.LogitTransform`:
-    ``ignore_index``, ``softcap``, ``logit_scale``, ``temperature``, ``label_smoothing``, ``z_loss``,
-    ``vocab_size``) come first; the row passes read this object as that transform.
+    """One call of the op, checked on construction. The logit transform's fields
+    (:class:`..core.transform.LogitTransform`: ``ignore_index``, ``softcap``, ``logit_scale``, ``temperature``,
+    ``label_smoothing``, ``z_loss``, ``vocab_size``) come first; the row passes read this object as that transform.
 
     reduction: "mean" (over valid labels), "sum", "items" (sum / num_items_in_batch) for a scalar loss, or None
     for per-token outputs. backend: as asked ("auto", "triton", "torch"); use_triton: what it resolved to for

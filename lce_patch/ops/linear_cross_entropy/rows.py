@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from ..core.backend import HAS_TRITON, cdiv, next_power_of_2, stats_dtype
+from ..core.transform import LogitTransform
 
 _kernels = None
 if HAS_TRITON:
@@ -41,25 +42,6 @@ _MAX_REGROUP = 8
 # Softcapped logits satisfy |z| <= softcap / temperature; up to this bound the stats kernel takes its
 # exponentials against the bound instead of a running max (exp(-2 * 40) is still a normal fp32).
 _FIXED_MAX_LIMIT = 40.0
-
-
-@dataclass(frozen=True)
-class LogitTransform:
-    """How raw GEMM outputs become final logits and how a token's loss is built from them.
-
-    ``z = softcap * tanh(logit_scale * raw / softcap) / temperature`` (no tanh when softcap is
-    None); loss = CE with label smoothing, plus ``z_loss * lse**2``.
-    """
-
-    ignore_index: int = -100
-    softcap: float | None = None
-    logit_scale: float = 1.0
-    temperature: float = 1.0
-    label_smoothing: float = 0.0
-    z_loss: float = 0.0
-    # The whole vocabulary's size when the buffer holds one shard of it (vocab-parallel, see
-    # vocab_parallel.py): label smoothing spreads eps over all of it. None: the buffer's width.
-    vocab_size: int | None = None
 
 
 @dataclass(frozen=True)

@@ -41,8 +41,9 @@ from typing import Any
 import torch
 
 from ..core.backend import stats_dtype
+from ..core.transform import LogitTransform
 from .options import VocabShard, fail
-from .rows import LogitTransform, RowOutputs, chunk_grad, chunk_stats, final_logits
+from .rows import RowOutputs, chunk_grad, chunk_stats, final_logits
 
 
 def is_dtensor(tensor: Any) -> bool:
