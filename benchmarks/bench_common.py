@@ -55,7 +55,7 @@ def _version(dist: str) -> str | None:
         return None
 
 
-def _git_revision() -> str | None:
+def git_revision() -> str | None:
     """Short commit of this checkout, with "+dirty" for uncommitted changes to tracked files."""
     try:
         rev = subprocess.run(
@@ -80,7 +80,7 @@ def env_info() -> dict:
     import lce_patch
 
     # A copy whose .git is not the checkout's (the GPU machine's) names its commit through the env.
-    rev = os.environ.get("LCE_BENCH_COMMIT") or _git_revision()
+    rev = os.environ.get("LCE_BENCH_COMMIT") or git_revision()
     cuda = torch.cuda.is_available()
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),

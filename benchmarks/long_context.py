@@ -42,31 +42,12 @@ if str(REPO) not in sys.path:
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 from bench_common import env_info  # noqa: E402
+from model_configs import RELEASED_CONFIGS  # noqa: E402
 
 IGNORE = -100
 SHAPES = {
-    "llama3.1-8b": dict(
-        model_type="llama",
-        hidden_size=4096,
-        intermediate_size=14336,
-        num_hidden_layers=32,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        vocab_size=128256,
-        rope_theta=500000.0,
-        tie_word_embeddings=False,
-    ),
-    "qwen2.5-7b": dict(
-        model_type="qwen2",
-        hidden_size=3584,
-        intermediate_size=18944,
-        num_hidden_layers=28,
-        num_attention_heads=28,
-        num_key_value_heads=4,
-        vocab_size=152064,
-        rope_theta=1000000.0,
-        tie_word_embeddings=False,
-    ),
+    "llama3.1-8b": RELEASED_CONFIGS["llama-3.1-8b"],
+    "qwen2.5-7b": RELEASED_CONFIGS["qwen2.5-7b"],
     "tiny": dict(
         model_type="llama",
         hidden_size=64,
@@ -250,6 +231,7 @@ def build(shape: str, setup: str, args: argparse.Namespace, dist: Dist):
 
     spec = dict(SHAPES[shape])
     model_type = spec.pop("model_type")
+    spec.pop("max_position_embeddings", None)  # set below, to the longest length tried
     if args.layers:
         spec["num_hidden_layers"] = args.layers
     config = AutoConfig.for_model(

@@ -70,6 +70,9 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))  # lce_patch from this checkout, not an installed copy
+sys.path.insert(0, str(REPO / "benchmarks"))  # bench_common, model_configs
+
+from model_configs import RELEASED_CONFIGS  # noqa: E402
 
 IGNORE = -100
 METHODS = (
@@ -95,60 +98,7 @@ LIGER_CONFIGS: dict[str, dict[str, bool]] = {
     "liger_all": {},
 }
 
-# The released configs (config.json of each hub repository), written out so nothing is downloaded.
-MODELS: dict[str, dict[str, Any]] = {
-    "llama-3.1-8b": dict(
-        model_type="llama",
-        hidden_size=4096,
-        intermediate_size=14336,
-        num_hidden_layers=32,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        vocab_size=128256,
-        rms_norm_eps=1e-5,
-        max_position_embeddings=131072,
-        tie_word_embeddings=False,
-        rope_parameters={
-            "rope_type": "llama3",
-            "rope_theta": 500000.0,
-            "factor": 8.0,
-            "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 8192,
-        },
-    ),
-    "qwen2.5-7b": dict(
-        model_type="qwen2",
-        hidden_size=3584,
-        intermediate_size=18944,
-        num_hidden_layers=28,
-        num_attention_heads=28,
-        num_key_value_heads=4,
-        vocab_size=152064,
-        rms_norm_eps=1e-6,
-        max_position_embeddings=131072,
-        tie_word_embeddings=False,
-        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
-    ),
-    "gemma-2-9b": dict(
-        model_type="gemma2",
-        hidden_size=3584,
-        intermediate_size=14336,
-        num_hidden_layers=42,
-        num_attention_heads=16,
-        num_key_value_heads=8,
-        head_dim=256,
-        vocab_size=256000,
-        rms_norm_eps=1e-6,
-        max_position_embeddings=8192,
-        tie_word_embeddings=True,
-        final_logit_softcapping=30.0,
-        attn_logit_softcapping=50.0,
-        query_pre_attn_scalar=256,
-        sliding_window=4096,
-        hidden_activation="gelu_pytorch_tanh",
-    ),
-}
+MODELS: dict[str, dict[str, Any]] = {name: dict(spec) for name, spec in RELEASED_CONFIGS.items()}
 MODELS["llama-3.1-8b-lora"] = dict(MODELS["llama-3.1-8b"])
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 # --cpu: the same architectures, tiny.
@@ -274,18 +224,16 @@ def _has(module: str) -> bool:
 
 def environment() -> dict[str, Any]:
     import torch
+    from bench_common import git_revision
 
     import lce_patch
-
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    from bench_common import _git_revision
 
     cuda = torch.cuda.is_available()
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "device": torch.cuda.get_device_name() if cuda else "cpu",
         "device_count": torch.cuda.device_count() if cuda else 0,
-        "git": os.environ.get("LCE_BENCH_COMMIT") or _git_revision(),
+        "git": os.environ.get("LCE_BENCH_COMMIT") or git_revision(),
         "lce_patch": lce_patch.__version__,
         "versions": {
             name: _version(name)

@@ -62,7 +62,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))  # bench_common, in benchmarks/
 
-from bench_common import _git_revision, rel_err, rel_l2  # noqa: E402
+from bench_common import git_revision, rel_err, rel_l2  # noqa: E402
 
 import lce_patch  # noqa: E402
 import lce_patch.models.forward as lce_forward  # noqa: E402
@@ -624,7 +624,7 @@ def main(argv=None) -> int:
                 "transformers": __import__("transformers").__version__,
                 "python": platform.python_version(),
             },
-            "commit": _git_revision(),
+            "commit": git_revision(),
             "date": time.strftime("%Y-%m-%d"),
         }
         if args.part == "op":
