@@ -126,12 +126,12 @@ def _(hidden, weight, bias, labels, num_items, low_rank_hidden, low_rank_weight,
     want = options.want
     return (
         stats(()) if options.scalar else stats(rows),
-        stats(rows if want[0] else 0),
-        stats(rows if want[1] else 0, torch.bool),
-        stats(rows if want[2] else 0),
-        stats(rows if want[3] else 0),
-        stats(rows if want[4] or (not options.scalar and options.any_grad) else 0),
-        stats(rows if want[5] else 0, torch.int64),
+        stats(rows if want.entropy else 0),
+        stats(rows if want.is_top1 else 0, torch.bool),
+        stats(rows if want.mean_logit else 0),
+        stats(rows if want.log_sum_sq else 0),
+        stats(rows if want.lse or (not options.scalar and options.any_grad) else 0),
+        stats(rows if want.predicted else 0, torch.int64),
         *_fake_grads(options, hidden, weight, bias, low_rank_hidden, low_rank_weight, grads_in_forward),
         stats(() if grads_in_forward and not options.scalar else 0),
     )

@@ -13,7 +13,7 @@ from ..core.checks import num_items_tensor
 from .autograd import LinearCrossEntropyFunction
 from .custom_op import compiled_linear_cross_entropy
 from .inputs import check_inputs, compute_dtype, loss_weights, low_rank_inputs, shift_labels
-from .options import OP_NAME, SCHEMA, CrossEntropyOptions, check_flag, fail
+from .options import OP_NAME, SCHEMA, CrossEntropyOptions, ExtraOutputs, check_flag, fail
 from .vocab_parallel import VocabShard, check_shard, is_dtensor, unwrap_dtensors
 
 _REDUCTIONS = ("mean", "sum", "none")
@@ -326,7 +326,7 @@ def fused_linear_cross_entropy(
         chunk_size=chunk_size,
         skip_ignored=skip_ignored,
         num_valid_tokens=num_valid_tokens,
-        want=(False, return_token_accuracy, False, False, return_lse, return_predicted_tokens),
+        want=ExtraOutputs(is_top1=return_token_accuracy, lse=return_lse, predicted=return_predicted_tokens),
         fp32_weight_grad=fp32_weight_grad,
     )
     loss, _entropy, is_top1, _mean, _log_sum_sq, lse, predicted, label_mask = _run(
@@ -408,7 +408,12 @@ def fused_linear_log_probs(
         reduction=None,
         backend=backend,
         shift=shift,
-        want=(return_entropy, return_is_top1, return_mean_logits, return_log_sum_sq_probs, False, False),
+        want=ExtraOutputs(
+            entropy=return_entropy,
+            is_top1=return_is_top1,
+            mean_logit=return_mean_logits,
+            log_sum_sq=return_log_sum_sq_probs,
+        ),
         chunk_size=chunk_size,
         skip_ignored=skip_ignored,
         num_valid_tokens=num_valid_tokens,

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from ..core import checks
 from ..core.backend import BACKENDS
@@ -53,6 +53,18 @@ class VocabShard:
     group: Any = None
 
 
+class ExtraOutputs(NamedTuple):
+    """The per-row outputs a call computes beside the loss (``CrossEntropyOptions.want``): the entropy, whether the
+    label is the argmax, the mean final logit, log(sum p^2), the log-sum-exp, and the argmax ids."""
+
+    entropy: bool = False
+    is_top1: bool = False
+    mean_logit: bool = False
+    log_sum_sq: bool = False
+    lse: bool = False
+    predicted: bool = False
+
+
 @dataclass(frozen=True)
 class CrossEntropyOptions(LogitTransform):
     """One call of the op, checked on construction. The logit transform's fields
@@ -63,8 +75,8 @@ class CrossEntropyOptions(LogitTransform):
     for per-token outputs. backend: as asked ("auto", "triton", "torch"); use_triton: what it resolved to for
     the call's tensors. shift: labels are shifted before the chunked op (which never reads it). needs_grad:
     whether (hidden, weight, bias) get gradients; needs_low_rank_grad: whether the low-rank term's (hidden,
-    weight) do. want: whether to compute (entropy, is_top1, mean_logit, log_sum_sq, lse, predicted: the argmax
-    ids). chunk_size: rows per chunk, None for the default. skip_ignored / num_valid_tokens: process the valid
+    weight) do. want: the :class:`ExtraOutputs` to compute (a plain tuple of six flags is taken in that
+    order). chunk_size: rows per chunk, None for the default. skip_ignored / num_valid_tokens: process the valid
     rows only (see :func:`..core.checks.selected_rows`). precompute_grad: see :func:`fused_linear_log_probs`.
     fp32_weight_grad: accumulate a bf16 dW in fp32 (rounded once at the end). shard: the weight is this rank's
     shard of a vocabulary split across a process group (vocab_parallel.py; ``vocab_size`` is then the whole
@@ -77,7 +89,8 @@ class CrossEntropyOptions(LogitTransform):
     shift: bool = False
     needs_grad: tuple[bool, bool, bool] = (False, False, False)
     needs_low_rank_grad: tuple[bool, bool] = (False, False)
-    want: tuple[bool, bool, bool, bool, bool, bool] = (False, False, False, False, False, False)
+    # Annotated as the tuple the operator schema passes (bool[]); always an ExtraOutputs once constructed.
+    want: tuple[bool, bool, bool, bool, bool, bool] = ExtraOutputs()
     chunk_size: int | None = None
     skip_ignored: bool = False
     num_valid_tokens: int | None = None
@@ -101,6 +114,10 @@ class CrossEntropyOptions(LogitTransform):
         check_int("num_valid_tokens", self.num_valid_tokens, minimum=0, allow_none=True)
         for name in ("use_triton", "shift", "skip_ignored", "precompute_grad", "fp32_weight_grad"):
             check_flag(name, getattr(self, name))
+        if type(self.want) is not ExtraOutputs:
+            if len(self.want) != len(ExtraOutputs._fields):
+                fail(f"want must name {len(ExtraOutputs._fields)} flags {ExtraOutputs._fields}, got {self.want!r}")
+            object.__setattr__(self, "want", ExtraOutputs(*self.want))
         # Python numbers of the schema's types from any real or integral number (a numpy scalar, say)
         for name in ("softcap", "logit_scale", "temperature", "label_smoothing", "z_loss"):
             value = getattr(self, name)
