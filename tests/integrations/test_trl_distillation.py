@@ -131,3 +131,55 @@ def test_serving_is_per_trainer_and_reversible(tokenizer, tmp_path):
     gc.collect()  # the served trainers of other tests
     assert trl_distillation.unserve(served)
     assert module._chunked_divergence_loss is original and "_compute_loss" not in vars(served)
+
+
+class _PartitionedHead(torch.nn.Linear):
+    """A head whose weight is whole only inside its own call, as under DeepSpeed ZeRO-3: outside, an empty tensor
+    (the partition); its forward hooks gather it and release it again, and record what the call returned."""
+
+    def __init__(self, vocab: int, hidden: int) -> None:
+        super().__init__(hidden, vocab, bias=False)
+        self.whole = self.weight.detach().clone()
+        self.outputs: list[object] = []
+        self.weight.data = torch.empty(0)
+        self.register_forward_pre_hook(lambda module, args: setattr(module.weight, "data", module.whole))
+        self.register_forward_hook(self._release)
+
+    def _release(self, module, args, output):
+        self.outputs.append(output)
+        self.weight.data = torch.empty(0)
+
+
+def test_heads_read_inside_their_calls():
+    # TRL passes lm_head.weight read outside the heads' calls: under ZeRO-3 an empty partition. The served loss
+    # reads each head's weight inside its own call (teacher nested in student), and the teacher's call hands its
+    # result out boxed (no backward hooks armed on the frozen teacher's head).
+    torch.manual_seed(0)
+    student, teacher = _PartitionedHead(VOCAB, 16), _PartitionedHead(VOCAB, 24)
+    hidden = torch.randn(2, 5, 16, requires_grad=True)
+    teacher_hidden = torch.randn(2, 5, 24)
+    mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]])
+    options = {"op": {"backend": "torch"}, "heads": lambda: (student, teacher)}
+    loss, entropy_sum, valid = trl_distillation._fused_divergence_loss(
+        hidden, teacher_hidden, student.weight, teacher.weight, mask, 0.5, options=options
+    )
+    expected, entropy = trl_distillation.fused_linear_divergence(
+        hidden, student.whole, teacher_hidden, teacher.whole, mask=mask, beta=0.5, backend="torch", return_entropy=True
+    )
+    torch.testing.assert_close(loss, expected)
+    torch.testing.assert_close(entropy_sum, entropy[mask.bool()].sum())
+    assert int(valid) == 8
+    assert student.weight.numel() == teacher.weight.numel() == 0  # released after the calls
+    assert len(student.outputs) == len(teacher.outputs) == 1
+    assert isinstance(student.outputs[0], tuple) and student.outputs[0][0] is loss  # the student's call: the loss
+    assert not isinstance(teacher.outputs[0], (torch.Tensor, tuple, list, dict))  # the teacher's: boxed
+    # Weights that are not the heads' own (another caller's tensors) are used as given.
+    other = torch.randn(VOCAB, 16)
+    loss_other, _, _ = trl_distillation._fused_divergence_loss(
+        hidden, teacher_hidden, other, teacher.weight, mask, 0.5, options=options
+    )
+    expected_other = trl_distillation.fused_linear_divergence(
+        hidden, other, teacher_hidden, teacher.whole, mask=mask, beta=0.5, backend="torch"
+    )
+    torch.testing.assert_close(loss_other, expected_other)
+    assert len(student.outputs) == 1 and len(teacher.outputs) == 2

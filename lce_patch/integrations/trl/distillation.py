@@ -13,16 +13,26 @@ redirect.FunctionRedirect`): nothing changes for a trainer that is not served.
 :func:`unserve` unwraps the instance; the dispatcher is removed with the last served trainer. Detection is by
 feature: the function's parameter names must be the known ones, else the trainer is left to TRL's kernel with a
 warning.
+
+TRL reads ``lm_head.weight`` of both models outside the heads' calls. Under DeepSpeed ZeRO-3 that is a partitioned
+parameter (an empty tensor on every rank: only the hooks of the head module's call gather it), so when the weights
+passed are the trainer's heads' own, the op runs inside the student head's call and, nested, the teacher head's
+(:func:`~lce_patch.models.head_call`), reading each weight there. The teacher's call hands its result out boxed, so
+the wrappers arm no backward hooks on the frozen teacher's head (its weight gets no gradient: no gathering it again
+in the backward). An FSDP2 shard (a DTensor read outside its unit's forward) is gathered once with ``full_tensor``.
 """
 
 from __future__ import annotations
 
 import inspect
 import warnings
+import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from ...models import head_call
 from ...ops import fused_linear_divergence
 from ..serving import base_class
 from ..shared import divergence_options
@@ -60,6 +70,53 @@ def _full(tensor: torch.Tensor | None) -> torch.Tensor | None:
     return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor  # an FSDP2 shard, gathered once
 
 
+class _Boxed:
+    """A call's result that distributed wrappers do not look into (no backward hooks armed on its tensors). It keeps
+    a ``__dict__``: DeepSpeed's post-forward hook reads ``vars()`` of an output it does not know (only its top-level
+    tensors, none here)."""
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+
+def _head_for(head: torch.nn.Module | None, weight: torch.Tensor) -> torch.nn.Module | None:
+    """``head`` when ``weight`` is its own weight (what TRL read from it), else None (the tensors as given)."""
+    return head if head is not None and getattr(head, "weight", None) is weight else None
+
+
+def _divergence(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    teacher_hidden: torch.Tensor,
+    teacher_weight: torch.Tensor,
+    teacher_bias: torch.Tensor | None,
+    completion_mask: torch.Tensor,
+    arguments: dict[str, Any],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The op on whole head weights: (loss, sum of the valid tokens' student entropy, number of valid tokens)."""
+    weight, bias = _full(weight), _full(bias)
+    teacher_weight, teacher_bias = _full(teacher_weight), _full(teacher_bias)
+    hidden = hidden.to(weight.dtype)  # an upcast head (mixed precision) keeps its precision
+    teacher_weight = teacher_weight.to(teacher_hidden.dtype)  # the fp32 master copy under mixed precision
+    if teacher_bias is not None:
+        teacher_bias = teacher_bias.to(teacher_hidden.dtype)
+    loss, entropy = fused_linear_divergence(
+        hidden,
+        weight,
+        teacher_hidden,
+        teacher_weight,
+        mask=completion_mask,
+        bias=bias,
+        teacher_bias=teacher_bias,
+        return_entropy=True,
+        **arguments,
+    )
+    valid = completion_mask != 0
+    entropy_sum = torch.where(valid, entropy, torch.zeros((), dtype=entropy.dtype, device=entropy.device)).sum()
+    return loss, entropy_sum, valid.sum()
+
+
 def _fused_divergence_loss(
     student_hidden_states: torch.Tensor,
     teacher_hidden_states: torch.Tensor,
@@ -78,34 +135,56 @@ def _fused_divergence_loss(
     *,
     options: dict[str, Any],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """TRL's function's contract: (loss, sum of the valid tokens' student entropy, number of valid tokens)."""
-    weight, bias = _full(student_lm_head_weight), _full(student_lm_head_bias)
-    teacher_weight, teacher_bias = _full(teacher_lm_head_weight), _full(teacher_lm_head_bias)
-    hidden = student_hidden_states.to(weight.dtype)  # an upcast head (mixed precision) keeps its precision
-    teacher_weight = teacher_weight.to(teacher_hidden_states.dtype)  # the fp32 master copy under mixed precision
-    if teacher_bias is not None:
-        teacher_bias = teacher_bias.to(teacher_hidden_states.dtype)
-    loss, entropy = fused_linear_divergence(
-        hidden,
-        weight,
-        teacher_hidden_states,
-        teacher_weight,
-        mask=completion_mask,
+    """TRL's function's contract: (loss, sum of the valid tokens' student entropy, number of valid tokens).
+
+    ``options``: ``op``, the op's options; ``heads``, a function giving the served trainer's (student, teacher) head
+    modules (either None when unknown)."""
+    arguments = dict(
         beta=float(beta),
         temperature=float(temperature),
         num_items_in_batch=num_items_in_batch,
-        bias=bias,
-        teacher_bias=teacher_bias,
         softcap=student_final_logit_softcapping,
         teacher_softcap=teacher_final_logit_softcapping,
         logit_scale=float(student_logit_scale),
         teacher_logit_scale=float(teacher_logit_scale),
-        return_entropy=True,
-        **options,
+        **options["op"],
     )
-    valid = completion_mask != 0
-    entropy_sum = torch.where(valid, entropy, torch.zeros((), dtype=entropy.dtype, device=entropy.device)).sum()
-    return loss, entropy_sum, valid.sum()
+    student_head, teacher_head = options["heads"]()
+    student_head = _head_for(student_head, student_lm_head_weight)
+    teacher_head = _head_for(teacher_head, teacher_lm_head_weight)
+
+    def with_student_head(weight, bias, hidden):
+        def with_teacher_head(teacher_weight, teacher_bias, teacher_hidden):
+            result = _divergence(
+                hidden, weight, bias, teacher_hidden, teacher_weight, teacher_bias, completion_mask, arguments
+            )
+            return _Boxed(result)
+
+        if teacher_head is None:
+            return with_teacher_head(teacher_lm_head_weight, teacher_lm_head_bias, teacher_hidden_states).value
+        return head_call(teacher_head, with_teacher_head, teacher_hidden_states).value
+
+    if student_head is None:
+        return with_student_head(student_lm_head_weight, student_lm_head_bias, student_hidden_states)
+    return head_call(student_head, with_student_head, student_hidden_states)
+
+
+def _heads(trainer: Any) -> Callable[[], tuple[torch.nn.Module | None, torch.nn.Module | None]]:
+    """A function giving the (student, teacher) head modules of ``trainer`` (held weakly), as TRL reads them."""
+    ref = weakref.ref(trainer)
+
+    def heads() -> tuple[torch.nn.Module | None, torch.nn.Module | None]:
+        trainer = ref()
+        if trainer is None:
+            return None, None
+        found = []
+        for model in (trainer.model, getattr(trainer, "teacher_model", None)):
+            unwrapped = None if model is None else trainer.accelerator.unwrap_model(model)
+            get = getattr(unwrapped, "get_output_embeddings", None)
+            found.append(get() if callable(get) else None)
+        return found[0], found[1]
+
+    return heads
 
 
 _REDIRECT = FunctionRedirect(_MODULE, _FUNCTION, _fused_divergence_loss)
@@ -131,7 +210,8 @@ def serve(trainer: Any, options: dict[str, Any]) -> bool:
         )
         return False
     # TRL's chunked kernel: fp32 logits and dW
-    _REDIRECT.serve(trainer, "_compute_loss", divergence_options(options, fp32_logits=True))
+    op_options = divergence_options(options, fp32_logits=True)
+    _REDIRECT.serve(trainer, "_compute_loss", {"op": op_options, "heads": _heads(trainer)})
     return True
 
 

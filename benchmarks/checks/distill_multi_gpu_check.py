@@ -1,0 +1,539 @@
+"""Multi-GPU check of TRL's DistillationTrainer served by lce_patch: FSDP2 / ZeRO-3 train exactly like one process.
+
+Run through accelerate (from the repository root; keep NVLink multicast off on shared hosts):
+
+    NCCL_NVLS_ENABLE=0 accelerate launch --config_file recipes/accelerate/zero3.yaml --num_processes 4 \\
+        benchmarks/checks/distill_multi_gpu_check.py
+    (likewise recipes/accelerate/fsdp2.yaml)
+
+Or on CPU processes (gloo) under ZeRO-3, with DeepSpeed's CPU accelerator (DeepSpeed importable):
+    DS_ACCELERATOR=cpu accelerate launch --config_file recipes/accelerate/zero3.yaml \\
+        benchmarks/checks/distill_multi_gpu_check.py --vocab 256 --hidden 32
+(accelerate runs FSDP on accelerators only), or as one plain process (``python benchmarks/checks/
+distill_multi_gpu_check.py``): then the served trainer runs in one process and is compared with the same references.
+
+What it does:
+  1. DISTRIBUTED, every rank: a tiny fp32 student and a wider tiny teacher of the same vocabulary, built from configs
+     (Llama, untied heads, same seeds on every rank), TRL's ``DistillationTrainer`` with ``FusedLCECallback`` and
+     ``--batch`` prompts per step split over the ranks; the trainer prepares the teacher as TRL does (DeepSpeed:
+     ``prepare_deepspeed``, a ZeRO-3 engine of its own; FSDP2: ``accelerator.prepare_model``). Completions are
+     generated greedily (no sampling: the same completions whatever the split) and stop at any of ``1/--stop-every``
+     of the vocabulary, so rows end at different lengths and the ranks hold different numbers of loss tokens.
+     Plain SGD (no momentum, no clipping), so equal parameters mean equal gradients.
+  2. REFERENCES, rank 0 afterwards, each a fresh process with no distributed environment, the whole global batch
+     per step: (a) the same trainer unserved (TRL's own chunked divergence kernel), (b) the served trainer.
+Checks (all must hold for PASS):
+  * the op ran on every rank once per step with both heads whole (``[V, D]``, plain tensors, not a ZeRO-3 partition
+    or an FSDP2 shard), the student head's norm inside the call equal to reference (b)'s at that step;
+  * the same completions as the references (greedy generation under the distribution);
+  * per-step loss (the mean over ranks of each rank's loss, which TRL scales by the number of processes) against
+    (a) and (b): relative error <= ``--rtol-loss``;
+  * every student parameter after the steps against (a) and (b): relative L2 <= ``--rtol-param``, the update
+    (final - initial) relative L2 <= ``--rtol-update`` (the gradient check).
+
+Rank 0 prints a PASS/FAIL table and writes JSON to ``--out`` (a directory, default ``$OUT`` if set else
+runs/multi_gpu; or a path ending in .json). Exit status 1 on FAIL.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))  # lce_patch from this checkout, not an installed copy
+sys.path.insert(0, str(REPO / "benchmarks"))  # bench_common, in benchmarks/
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # multi_gpu_check, next to this file
+
+from bench_common import rel_err, set_exact_fp32  # noqa: E402
+from multi_gpu_check import check_launch, compare_params, full_state_dict, mode_of  # noqa: E402
+
+import lce_patch  # noqa: E402
+from lce_patch.integrations.trl import distillation as served_distillation  # noqa: E402
+
+PAD, EOS, BOS, UNK = 0, 1, 2, 3
+# What a launcher puts in the environment: removed for the single-process references.
+_LAUNCH_PREFIXES = ("ACCELERATE_", "FSDP_", "TORCHELASTIC_")
+_LAUNCH_NAMES = (
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "GROUP_WORLD_SIZE",
+    "ROLE_RANK",
+    "ROLE_NAME",
+    "ROLE_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "OMP_NUM_THREADS",
+)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description="Check that TRL's DistillationTrainer served by lce_patch (FusedLCECallback) trains the same "
+        "under FSDP2 / ZeRO-3 (accelerate launch) as in one process, served and unserved: losses, student "
+        "parameters (SGD), both heads whole inside the op's calls.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        epilog="Launch: NCCL_NVLS_ENABLE=0 accelerate launch --config_file recipes/accelerate/zero3.yaml "
+        "--num_processes 4 benchmarks/checks/distill_multi_gpu_check.py",
+    )
+    parser.add_argument("--steps", type=int, default=3, help="optimizer steps")
+    parser.add_argument("--batch", type=int, default=8, help="global batch: prompts per step (split over ranks)")
+    parser.add_argument("--prompt-len", type=int, default=8, help="words per prompt (all equal: no padding)")
+    parser.add_argument("--completion-len", type=int, default=16, help="max_completion_length")
+    parser.add_argument("--vocab", type=int, default=1024, help="vocabulary size (student and teacher)")
+    parser.add_argument("--hidden", type=int, default=64, help="student hidden size (the teacher's is 1.5x)")
+    parser.add_argument("--layers", type=int, default=2, help="decoder layers of each model")
+    parser.add_argument("--teacher-std", type=float, default=0.2, help="init std of the teacher's weights")
+    parser.add_argument("--stop-every", type=int, default=8, help="every k-th token id ends a completion")
+    parser.add_argument("--beta", type=float, default=0.5, help="DistillationConfig.beta (0 forward KL, 1 reverse)")
+    parser.add_argument("--lr", type=float, default=1e-2, help="SGD learning rate (linear decay, no momentum)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the weights and the prompts")
+    parser.add_argument("--backend", default="auto", help="lce_patch backend: auto, triton or torch")
+    parser.add_argument("--chunk-size", type=int, default=None, help="lce_patch chunk size (default: its own)")
+    parser.add_argument("--rtol-loss", type=float, default=1e-5, help="per-step loss, relative")
+    parser.add_argument("--rtol-param", type=float, default=1e-5, help="student parameters after the steps, rel L2")
+    parser.add_argument("--rtol-update", type=float, default=1e-3, help="updates (final - initial), rel L2")
+    parser.add_argument(
+        "--out",
+        default=os.environ.get("OUT") or str(REPO / "runs" / "multi_gpu"),
+        help="directory for the JSON (or a .json path)",
+    )
+    parser.add_argument("--role", choices=("check", "reference"), default="check", help=argparse.SUPPRESS)
+    parser.add_argument("--served", type=int, default=1, help=argparse.SUPPRESS)  # the reference's
+    args = parser.parse_args(argv)
+    if args.steps < 1 or args.batch < 1 or args.prompt_len < 1 or args.completion_len < 2:
+        parser.error("--steps, --batch and --prompt-len must be >= 1, --completion-len >= 2")
+    if args.vocab < 2 * args.stop_every or args.stop_every < 2:
+        parser.error("--stop-every must be >= 2 and --vocab >= 2 x --stop-every")
+    return args
+
+
+# ------------------------------------------------------------------------------------------------ setup
+def build_model(args: argparse.Namespace, hidden: int, seed: int, std: float = 0.02) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    config = LlamaConfig(
+        vocab_size=args.vocab,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=args.layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2 * (args.prompt_len + args.completion_len),
+        tie_word_embeddings=False,
+        pad_token_id=PAD,
+        eos_token_id=EOS,
+        bos_token_id=BOS,
+        use_cache=True,
+        initializer_range=std,
+    )
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager").float()
+    # A completion ends at the tokenizer's EOS or any of these (TRL reads the model's generation config)
+    model.generation_config.eos_token_id = [EOS, *range(args.stop_every, args.vocab, args.stop_every)]
+    return model
+
+
+def build_tokenizer(vocab: int):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = {"<pad>": PAD, "<eos>": EOS, "<bos>": BOS, "<unk>": UNK}
+    words.update({f"w{i}": i for i in range(4, vocab)})
+    backend = Tokenizer(models.WordLevel(words, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend, pad_token="<pad>", eos_token="<eos>", bos_token="<bos>", unk_token="<unk>"
+    )
+
+
+def prompts(args: argparse.Namespace):
+    import datasets
+
+    generator = torch.Generator().manual_seed(args.seed + 1)
+    ids = torch.randint(4, args.vocab, (args.batch * args.steps, args.prompt_len), generator=generator)
+    return datasets.Dataset.from_list([{"prompt": " ".join(f"w{int(i)}" for i in row)} for row in ids])
+
+
+# ------------------------------------------------------------------------------------- what the op saw
+CALLS: list[dict[str, Any]] = []
+
+
+def _describe(weight: torch.Tensor) -> dict[str, Any]:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover
+        DTensor = ()  # noqa: N806
+    is_dtensor = isinstance(weight, DTensor)
+    local = weight.to_local() if is_dtensor else weight
+    return {
+        "shape": list(weight.shape),
+        "local_shape": list(local.shape),
+        "type": type(weight).__name__,
+        "is_dtensor": is_dtensor,
+        "norm": float(local.detach().double().norm()),
+    }
+
+
+def install_call_recorder() -> None:
+    """Record both head weights each call of the op got (the name the served loss resolves at call time)."""
+    original = served_distillation.fused_linear_divergence
+    if getattr(original, "_distill_check", False):
+        return
+
+    def recording(hidden, weight, teacher_hidden, teacher_weight, **kwargs):
+        CALLS.append(
+            {
+                "student": _describe(weight),
+                "teacher": _describe(teacher_weight),
+                "hidden_shape": list(hidden.shape),
+                "num_items_in_batch": None
+                if kwargs.get("num_items_in_batch") is None
+                else float(kwargs["num_items_in_batch"]),
+            }
+        )
+        return original(hidden, weight, teacher_hidden, teacher_weight, **kwargs)
+
+    recording._distill_check = True  # type: ignore[attr-defined]
+    served_distillation.fused_linear_divergence = recording
+
+
+# ------------------------------------------------------------------------------------------------ training
+def train(args: argparse.Namespace, served: bool, world: int, cpu: bool) -> tuple[Any, dict[str, Any]]:
+    """The trainer (trained) and what each step saw on this process: losses, completions."""
+    import trl
+
+    from lce_patch import FusedLCECallback
+
+    # Built before the config: under ZeRO-3 the DeepSpeed config it sets up would make transformers partition the
+    # weights at construction (zero.Init), and the initial state is read whole. DeepSpeed partitions them when the
+    # trainer prepares each model.
+    student = build_model(args, args.hidden, args.seed)
+    # A teacher with wider weights: peaked distributions, far from the student's (a divergence worth its gradients)
+    teacher = build_model(args, args.hidden * 3 // 2, args.seed + 100, std=args.teacher_std)
+    initial = {k: v.detach().to("cpu", copy=True) for k, v in student.state_dict().items()}
+    config = trl.DistillationConfig(
+        output_dir=tempfile.mkdtemp(prefix="distill_check_"),
+        per_device_train_batch_size=args.batch // world,
+        gradient_accumulation_steps=1,
+        max_steps=args.steps,
+        max_completion_length=args.completion_len,
+        beta=args.beta,
+        temperature=1.0,
+        generation_kwargs={"do_sample": False},
+        shuffle_dataset=False,
+        learning_rate=args.lr,
+        optim="sgd",
+        weight_decay=0.0,
+        max_grad_norm=0.0,
+        bf16=False,
+        fp16=False,
+        use_cpu=cpu and world == 1,
+        ddp_backend="gloo" if cpu and world > 1 else None,
+        report_to=[],
+        save_strategy="no",
+        logging_steps=1,
+        seed=args.seed,
+        disable_tqdm=True,
+    )
+    options = {"backend": args.backend, "chunk_size": args.chunk_size}
+    callbacks = [FusedLCECallback(**{k: v for k, v in options.items() if v is not None})] if served else []
+    trainer = trl.DistillationTrainer(
+        model=student,
+        teacher_model=teacher,
+        args=config,
+        train_dataset=prompts(args),
+        processing_class=build_tokenizer(args.vocab),
+        callbacks=callbacks,
+    )
+    seen: dict[str, Any] = {"losses": [], "completions": [], "valid_tokens": []}
+    compute_loss = trainer.compute_loss
+
+    def recording_compute_loss(model, inputs, return_outputs=False, num_items_in_batch=None):
+        out = compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
+        if model.training:
+            loss = out[0] if return_outputs else out
+            seen["losses"].append(float(loss.detach()))
+            mask = inputs["completion_mask"].bool().cpu()
+            seen["completions"].append([ids[m].tolist() for ids, m in zip(inputs["completion_ids"].cpu(), mask)])
+            seen["valid_tokens"].append(int(mask.sum()))
+        return out
+
+    trainer.compute_loss = recording_compute_loss
+    seen["initial_state"] = initial
+    trainer.train()
+    return trainer, seen
+
+
+def run_reference(args: argparse.Namespace) -> int:
+    """One process, the whole batch per step: writes losses, completions, calls and the student state to --out."""
+    set_exact_fp32()
+    install_call_recorder()
+    trainer, seen = train(args, bool(args.served), world=1, cpu=not torch.cuda.is_available())
+    state = {k: v.detach().to("cpu", copy=True) for k, v in trainer.model.state_dict().items()}
+    torch.save({**seen, "state": state, "calls": list(CALLS)}, args.out)
+    return 0
+
+
+def spawn_reference(args: argparse.Namespace, served: bool, argv: list[str], folder: Path) -> dict[str, Any]:
+    """Run a reference in a fresh process without the launcher's environment; its record."""
+    path = folder / f"reference_{'served' if served else 'trl'}.pt"
+    env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_NAMES and not k.startswith(_LAUNCH_PREFIXES)}
+    command = [sys.executable, str(Path(__file__).resolve()), *argv, "--role", "reference"]
+    command += ["--served", str(int(served)), "--out", str(path)]
+    result = subprocess.run(command, env=env, capture_output=True, text=True)
+    if result.returncode != 0:
+        raise RuntimeError(f"reference ({'served' if served else 'TRL'}) failed:\n{result.stderr[-6000:]}")
+    return torch.load(path, weights_only=False)
+
+
+# ------------------------------------------------------------------------------------------------ main
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    if args.role == "reference":
+        return run_reference(args)
+    set_exact_fp32()
+    cpu = not torch.cuda.is_available()
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if args.batch % world:
+        raise SystemExit(f"--batch {args.batch} must be divisible by the number of processes {world}")
+    install_call_recorder()
+    t0 = time.time()
+    trainer, seen = train(args, served=True, world=world, cpu=cpu)
+    accelerator = trainer.accelerator
+    problem = check_launch(accelerator)
+    if problem:
+        print(f"FAIL distill_multi_gpu_check: {problem}", file=sys.stderr, flush=True)
+        return 2
+    mode = mode_of(accelerator)
+    state = full_state_dict(accelerator, trainer.model_wrapped)
+    rank = accelerator.process_index
+    mine = {"rank": rank, "calls": list(CALLS), **{k: seen[k] for k in ("losses", "completions", "valid_tokens")}}
+    mine["model_class"] = type(trainer.model_wrapped).__name__
+    mine["teacher_class"] = type(trainer.teacher_model).__name__
+    ranks = [mine]
+    if world > 1:
+        ranks = [None] * world
+        torch.distributed.all_gather_object(ranks, mine)
+    t_dist = time.time() - t0
+    accelerator.wait_for_everyone()
+    main_process = accelerator.is_main_process
+    # Done with collectives: a rank that leaves with its process group alive can abort at exit (gloo's threads)
+    accelerator.end_training()
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    if not main_process:
+        return 0
+
+    # References, one fresh process each (rank 0; the other ranks are done).
+    with tempfile.TemporaryDirectory(prefix="distill_check_ref_") as folder:
+        passed = _without_values(argv, ("--role", "--served", "--out"))
+        ref_trl = spawn_reference(args, False, passed, Path(folder))
+        ref_fused = spawn_reference(args, True, passed, Path(folder))
+    t_ref = time.time() - t0 - t_dist
+    init = seen["initial_state"]
+
+    checks: list[dict[str, Any]] = []
+
+    def check(name: str, ok: bool, detail: str) -> None:
+        checks.append({"name": name, "ok": bool(ok), "detail": detail})
+
+    student_shape = [args.vocab, args.hidden]
+    teacher_shape = [args.vocab, args.hidden * 3 // 2]
+    for info in ranks:
+        calls = info["calls"]
+        whole = all(
+            c["student"]["shape"] == c["student"]["local_shape"] == student_shape
+            and c["teacher"]["shape"] == c["teacher"]["local_shape"] == teacher_shape
+            and not c["student"]["is_dtensor"]
+            and not c["teacher"]["is_dtensor"]
+            for c in calls
+        )
+        seen_shapes = sorted({(tuple(c["student"]["local_shape"]), tuple(c["teacher"]["local_shape"])) for c in calls})
+        check(
+            f"rank{info['rank']} op calls",
+            len(calls) == args.steps and whole,
+            f"{len(calls)} calls for {args.steps} steps; (student, teacher) head weights inside the call "
+            f"{seen_shapes}, types {sorted({c['student']['type'] for c in calls} | {c['teacher']['type'] for c in calls})}",
+        )
+        norm_errs = [rel_err(c["student"]["norm"], r["student"]["norm"]) for c, r in zip(calls, ref_fused["calls"])] + [
+            rel_err(c["teacher"]["norm"], r["teacher"]["norm"]) for c, r in zip(calls, ref_fused["calls"])
+        ]
+        worst = max(norm_errs, default=math.inf)
+        check(
+            f"rank{info['rank']} heads gathered",
+            worst <= args.rtol_param,
+            f"norms of both head weights inside the op's call vs the one-process served run, worst rel err {worst:.2e}",
+        )
+    check(
+        "reference calls",
+        len(ref_fused["calls"]) == args.steps and not ref_trl["calls"],
+        f"served {len(ref_fused['calls'])}, TRL's {len(ref_trl['calls'])} (none: its own kernel)",
+    )
+
+    # Completions: the ranks' rows together are the global batch's (the samplers may order its rows differently).
+    def rows(completions: list[list[int]]) -> list[tuple[int, ...]]:
+        return sorted(tuple(c) for c in completions)
+
+    dist_rows = [rows(sum((info["completions"][s] for info in ranks), [])) for s in range(args.steps)]
+    differing = [
+        (name, s)
+        for name, ref in (("TRL", ref_trl), ("served", ref_fused))
+        for s in range(args.steps)
+        if s >= len(ref["completions"]) or dist_rows[s] != rows(ref["completions"][s])
+    ]
+    check(
+        "same completions",
+        not differing,
+        f"greedy completions of each step's prompts under the distribution vs one process (differing (reference, "
+        f"step): {differing[:4]}); loss tokens per step "
+        f"{[sum(info['valid_tokens'][s] for info in ranks) for s in range(args.steps)]}, per rank "
+        f"{[[info['valid_tokens'][s] for info in ranks] for s in range(args.steps)]}",
+    )
+
+    loss_rows = []
+    for s in range(args.steps):
+        local = [info["losses"][s] for info in ranks]
+        dist_loss = sum(local) / world  # TRL scales each rank's loss by the number of processes
+        loss_rows.append(
+            {
+                "step": s,
+                "trl": ref_trl["losses"][s],
+                "fused": ref_fused["losses"][s],
+                "dist": dist_loss,
+                "rel_err_vs_trl": rel_err(dist_loss, ref_trl["losses"][s]),
+                "rel_err_vs_fused": rel_err(dist_loss, ref_fused["losses"][s]),
+                "local": local,
+            }
+        )
+    for against in ("trl", "fused"):
+        worst = max(r[f"rel_err_vs_{against}"] for r in loss_rows)
+        check(f"loss vs {against}", worst <= args.rtol_loss, f"worst per-step rel err {worst:.2e}")
+
+    compared: dict[str, list[dict[str, Any]]] = {}
+    for against, ref in (("trl", ref_trl), ("fused", ref_fused)):
+        params, missing = compare_params(state, ref["state"], init)
+        compared[against] = params
+        check(f"student parameters gathered ({against})", not missing and params, f"{len(params)}, missing {missing}")
+        if params:
+            worst_p = max(params, key=lambda p: p["rel_l2"])
+            worst_u = max(params, key=lambda p: p["update_rel_l2"])
+            check(
+                f"parameters vs {against}",
+                worst_p["rel_l2"] <= args.rtol_param,
+                f"worst rel L2 {worst_p['rel_l2']:.2e} ({worst_p['name']})",
+            )
+            check(
+                f"updates (gradients) vs {against}",
+                worst_u["update_rel_l2"] <= args.rtol_update,
+                f"worst rel L2 {worst_u['update_rel_l2']:.2e} ({worst_u['name']})",
+            )
+    ok = all(c["ok"] for c in checks)
+
+    print("=" * 100)
+    print(
+        f"distill_multi_gpu_check  mode={mode['mode']}  world_size={world}  backend={mode.get('backend', '-')}  "
+        f"device={mode['device']}  lce_patch backend={args.backend}  beta={args.beta}"
+    )
+    print(
+        f"student {ranks[0]['model_class']}, teacher {ranks[0]['teacher_class']}; V={args.vocab} "
+        f"D={args.hidden}/{args.hidden * 3 // 2} layers={args.layers}; {args.batch} prompts/step "
+        f"({args.batch // world}/rank) x {args.prompt_len} + up to {args.completion_len}; SGD lr={args.lr}"
+    )
+    print(f"{'step':>4} {'TRL 1 proc':>14} {'served 1 proc':>14} {'served dist':>14} {'vs TRL':>9} {'vs served':>9}")
+    for r in loss_rows:
+        print(
+            f"{r['step']:>4} {r['trl']:>14.8f} {r['fused']:>14.8f} {r['dist']:>14.8f} "
+            f"{r['rel_err_vs_trl']:>9.2e} {r['rel_err_vs_fused']:>9.2e}  local "
+            + " ".join(f"{x:.6f}" for x in r["local"])
+        )
+    fused_by_name = {p["name"]: p for p in compared["fused"]}
+    print(f"{'parameter':<44} {'rel L2':>9} {'upd rel L2':>10} {'vs served':>10}")
+    shown = sorted(compared["trl"], key=lambda p: -p["update_rel_l2"])[:5]
+    shown += [p for p in compared["trl"] if "lm_head" in p["name"] and p not in shown]
+    for p in shown:
+        other = fused_by_name.get(p["name"], {}).get("update_rel_l2", math.nan)
+        print(f"{p['name']:<44} {p['rel_l2']:>9.2e} {p['update_rel_l2']:>10.2e} {other:>10.2e}")
+    for c in checks:
+        print(f"{'PASS' if c['ok'] else 'FAIL'} {c['name']}: {c['detail']}")
+    print(
+        f"{'PASS' if ok else 'FAIL'} distill_multi_gpu_check {mode['mode']} world_size={world} "
+        f"(distributed {t_dist:.1f}s, references {t_ref:.1f}s)"
+    )
+    print("=" * 100, flush=True)
+
+    import accelerate
+    import transformers
+    import trl
+
+    report = {
+        "ok": ok,
+        "args": vars(args),
+        "mode": mode,
+        "checks": checks,
+        "losses": loss_rows,
+        "params_vs_trl": compared["trl"],
+        "params_vs_served": compared["fused"],
+        "ranks": ranks,
+        "reference_calls": ref_fused["calls"],
+        "env": {
+            "torch": torch.__version__,
+            "lce_patch": lce_patch.__version__,
+            "transformers": transformers.__version__,
+            "trl": trl.__version__,
+            "accelerate": accelerate.__version__,
+            "python": platform.python_version(),
+            "cuda": torch.version.cuda,
+            "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+            "NCCL_NVLS_ENABLE": os.environ.get("NCCL_NVLS_ENABLE"),
+        },
+        "seconds": {"distributed": t_dist, "references": t_ref},
+    }
+    try:
+        import deepspeed
+
+        report["env"]["deepspeed"] = deepspeed.__version__
+    except ImportError:
+        pass
+    out = Path(args.out)
+    path = out if out.suffix == ".json" else out / f"distill_multi_gpu_check_{mode['mode'].lower()}_{world}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=1, default=str))
+    print(f"wrote {path}", flush=True)
+    return 0 if ok else 1
+
+
+def _without_values(argv: list[str], names: tuple[str, ...]) -> list[str]:
+    """``argv`` less the options ``names`` and their values (``--name value`` and ``--name=value``)."""
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+            continue
+        if arg in names:
+            skip = True
+            continue
+        if arg.split("=", 1)[0] in names:
+            continue
+        out.append(arg)
+    return out
+
+
+if __name__ == "__main__":
+    sys.exit(main())
