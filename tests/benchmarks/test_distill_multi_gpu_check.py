@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.multiprocess import rerun_on_native_abort
+
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "benchmarks" / "checks" / "distill_multi_gpu_check.py"
 # DeepSpeed installed apart from the test environment (.ci/run puts it here): only the launched check imports it.
@@ -46,7 +48,9 @@ def test_zero3_on_cpu_equals_one_process(tmp_path):
     env.pop("TRITON_INTERPRET", None)  # CPU runs take the torch backend, as a user's would
     command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config), str(SCRIPT)]
     command += ["--vocab", "256", "--hidden", "32"]
-    result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    result = rerun_on_native_abort(
+        lambda: subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    )
     assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
     assert "PASS distill_multi_gpu_check ZeRO-3 world_size=2" in result.stdout
     assert "FAIL" not in result.stdout

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.multiprocess import rerun_on_native_abort
+
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 REPO = BENCHMARKS.parent
 # DeepSpeed apart from the test environment (.ci/run installs it there), as for the ZeRO checks
@@ -44,7 +46,7 @@ def test_cp_check_ulysses_on_cpu(arch, extra, tmp_path):
     args = ["-m", "accelerate.commands.launch", "--config_file", str(config), "benchmarks/checks/cp_check.py"]
     args += ["--cpu", "--arch", arch, *extra]
     env_extra = {"PYTHONPATH": f"{REPO}{os.pathsep}{DEEPSPEED_SITE}", "DS_ACCELERATOR": "cpu"}
-    result = _run(args, tmp_path, env_extra=env_extra)
+    result = rerun_on_native_abort(lambda: _run(args, tmp_path, env_extra=env_extra))
     assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
     label = "unpatched" if extra else "patched"
     assert f"PASS cp_check sp {arch} {label} world_size=2" in result.stdout

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.multiprocess import rerun_on_native_abort
+
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 SCRIPTS = [
     "bench_lce.py",
@@ -95,7 +97,7 @@ def test_multi_gpu_check_deepspeed_zero_on_cpu(stage, arch, tmp_path):
     args = ["-m", "accelerate.commands.launch", "--config_file", str(config), "checks/multi_gpu_check.py"]
     args += ["--arch", arch, "--steps", "3", "--seq-len", "32", "--hidden", "64", "--vocab", "512"]
     env_extra = {"PYTHONPATH": f"{BENCHMARKS.parent}{os.pathsep}{DEEPSPEED_SITE}", "DS_ACCELERATOR": "cpu"}
-    result = _run(args, tmp_path, env_extra=env_extra)
+    result = rerun_on_native_abort(lambda: _run(args, tmp_path, env_extra=env_extra))
     assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
     assert f"PASS multi_gpu_check {arch} ZeRO-{stage} world_size=2" in result.stdout
     assert "FAIL" not in result.stdout
@@ -124,13 +126,7 @@ def test_tp_check_on_cpu(part, arch, processes, extra, layout, tmp_path):
         args = ["checks/tp_check.py", "--cpu", "--part", part, "--arch", arch, "--warmup", "2", "--steps", "3"]
         return _run([*launch, *args, *extra], tmp_path)
 
-    result = launch_check()
-    if result.returncode != 0 and "terminate called without an active exception" in result.stderr:
-        # Seen once in 19 full-suite runs (a fresh-clone CI run on 2026-11-24): a rank aborted natively
-        # (SIGABRT, std::terminate) after its first step; 18 reruns did not repeat it.
-        # A second launch tells that apart from a real failure, which fails again (a wrong result exits 1
-        # with FAIL, not an abort).
-        result = launch_check()
+    result = rerun_on_native_abort(launch_check)
     assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
     label = f"{arch} world_size={processes}" + (f" {layout}" if layout else "")
     assert f"PASS tp_check {part} {label}" in result.stdout
