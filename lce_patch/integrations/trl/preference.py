@@ -38,10 +38,18 @@ from typing import Any
 
 import torch
 
-from ... import ops as _ops
-from ...models import get_head_config, head_call, unwrap_causal_lm
+from ...models import unwrap_causal_lm
 from ..serving import mro_lookup
-from ..shared import IGNORE_INDEX, function, is_served, log_prob_options, replace_method, restore_method, run_in_forward
+from ..shared import (
+    IGNORE_INDEX,
+    function,
+    head_log_probs,
+    is_served,
+    log_prob_options,
+    replace_method,
+    restore_method,
+    run_in_forward,
+)
 from .head import load_balancing_loss
 from .protocol import check_names, trainer_protocol_error
 
@@ -151,26 +159,6 @@ def _servable(trainer: Any, spec: _Spec, base: type) -> bool:
     return False
 
 
-def _score(weight, bias, hidden, targets, *, options, transform, mean_logits, low_rank=None):
-    """The op on the head's weight (as read inside the module call), in the dtype the model's head runs in."""
-    if not torch.is_autocast_enabled(hidden.device.type) and weight.dtype != hidden.dtype:
-        weight = weight.to(hidden.dtype)
-        bias = None if bias is None else bias.to(hidden.dtype)
-    return _ops.fused_linear_log_probs(
-        hidden,
-        weight,
-        targets,
-        bias=bias,
-        ignore_index=IGNORE_INDEX,
-        softcap=transform.softcap,
-        logit_scale=transform.logit_scale,
-        return_mean_logits=mean_logits,
-        low_rank_hidden=None if low_rank is None else low_rank[0],
-        low_rank_weight=None if low_rank is None else low_rank[1],
-        **options,
-    )
-
-
 def _masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (values * mask).sum() / mask.sum()  # 0/0 -> nan, as nn.CrossEntropyLoss gives with no valid token
 
@@ -215,12 +203,9 @@ def preference_forward(
     if positions > targets.shape[1]:  # the last position predicts no token
         targets = torch.cat((targets, targets.new_zeros(targets.shape[0], 1)), dim=1)
 
-    lm_head = causal_lm.get_output_embeddings()  # looked up per call: FSDP and PEFT replace it after patching
-    device = lm_head.weight.device
-    score = functools.partial(_score, options=options, transform=get_head_config(causal_lm))
-    per_token = head_call(
-        lm_head, functools.partial(score, mean_logits=True), hidden.to(device), targets.to(device), low_rank=True
-    )
+    # The head is looked up per call (FSDP and PEFT replace it after patching); the op runs inside its call.
+    per_token = head_log_probs(causal_lm, hidden, targets, options, return_mean_logits=True)
+    device = per_token.log_probs.device
     log_probs = per_token.log_probs[:, : completion.shape[1]]
     completion_mask, nll_mask = completion_mask.to(device), nll_mask.to(device)
 
@@ -241,12 +226,11 @@ def preference_forward(
                 differ = (completion[:len_chosen].to(device) != nll_targets[:len_chosen]) & both
                 labels_checked["labels_differ"] = bool(differ.any())
             if labels_checked["labels_differ"]:
-                nll_log_probs = head_call(
-                    lm_head,
-                    functools.partial(score, mean_logits=False),
-                    hidden[:len_chosen, : completion.shape[1]].to(device),
+                nll_log_probs = head_log_probs(
+                    causal_lm,
+                    hidden[:len_chosen, : completion.shape[1]],
                     torch.where(nll_mask[:len_chosen], nll_targets[:len_chosen], 0),
-                    low_rank=True,
+                    options,
                 ).log_probs
         nll = -_masked_mean(nll_log_probs[:len_chosen], nll_mask[:len_chosen])
     mean_logits = per_token.mean_logits
