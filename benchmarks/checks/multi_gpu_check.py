@@ -465,6 +465,12 @@ def run_distributed(accelerator, base, batches, args) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------------------------- comparing
+def _spacing(t: torch.Tensor) -> torch.Tensor:
+    """The distance from each element to the next representable value away from zero, in ``t``'s dtype."""
+    away = torch.where(t < 0, torch.full_like(t, -math.inf), torch.full_like(t, math.inf))
+    return (torch.nextafter(t, away) - t).abs()
+
+
 def compare_params(dist: dict, ref: dict, init: dict) -> tuple[list[dict[str, Any]], list[str]]:
     rows, missing = [], []
     for name, r in ref.items():
@@ -486,6 +492,8 @@ def compare_params(dist: dict, ref: dict, init: dict) -> tuple[list[dict[str, An
                 "rel_l2": diff / max(r64.norm().item(), 1e-30),
                 "update_norm": upd_ref,
                 "update_rel_l2": upd_err / upd_ref if upd_ref > 0 else (0.0 if upd_err == 0 else math.inf),
+                # the largest difference in units of the reference weight's own spacing (its dtype's ulp there)
+                "max_ulps": ((d - r64).abs() / _spacing(r).double()).max().item() if r.numel() else 0.0,
             }
         )
     return rows, missing
