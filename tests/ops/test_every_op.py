@@ -26,45 +26,36 @@ from .devices import BACKENDS, device_of, on, placed
 class Op(NamedTuple):
     """An op as the suite calls it. function: the public function; make_problem(seed, bias=, leading=): its
     float64 keyword inputs of N rows; outputs: the options every compiled call adds (extra outputs, compared too;
-    a case's options override them); per_token: the options of one loss per row; name: the name its messages
-    start with."""
+    a case's options override them); per_token: the options of one loss per row; named: the name its messages
+    start with, when not the function's."""
 
     function: Callable
     make_problem: Callable[..., dict]
     outputs: dict
-    per_token: dict
-    name: str
+    per_token: dict = {"reduction": "none"}
+    named: str | None = None
+
+    @property
+    def name(self) -> str:
+        return self.named or self.function.__name__
 
 
+DIVERGENCE_OUTPUTS = dict(beta=0.3, return_entropy=True)
 OPS = {
-    "divergence": Op(
-        fused_linear_divergence,
-        divergence.make_problem,
-        dict(beta=0.3, return_entropy=True),
-        dict(reduction="none"),
-        "fused_linear_divergence",
-    ),
-    "sparse_divergence": Op(
-        fused_linear_sparse_divergence,
-        sparse.make_problem,
-        dict(beta=0.3, return_entropy=True),
-        dict(reduction="none"),
-        "fused_linear_sparse_divergence",
-    ),
+    "divergence": Op(fused_linear_divergence, divergence.make_problem, DIVERGENCE_OUTPUTS),
+    "sparse_divergence": Op(fused_linear_sparse_divergence, sparse.make_problem, DIVERGENCE_OUTPUTS),
     "cross_entropy": Op(
         fused_linear_cross_entropy,
         cross_entropy.make_problem,
         dict(return_lse=True, return_token_accuracy=True, return_predicted_tokens=True),
-        dict(reduction="none"),
-        "fused_linear_cross_entropy",
     ),
     # per-token log-probabilities, no reduction; it shares the cross-entropy op's checks and their name
     "log_probs": Op(
         fused_linear_log_probs,
         cross_entropy.make_problem,
         dict(return_entropy=True, return_is_top1=True, return_mean_logits=True, return_log_sum_sq_probs=True),
-        dict(),
-        "fused_linear_cross_entropy",
+        per_token={},
+        named="fused_linear_cross_entropy",
     ),
 }
 COMPILE_CASES = [
