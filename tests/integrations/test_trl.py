@@ -25,7 +25,15 @@ from lce_patch.integrations.trl import (  # noqa: E402
     maybe_install_trl_head,
     remove_trl_head,
 )
-from tests.integrations.trl_helpers import VOCAB, lce_callback, make_model, make_tokenizer, spies  # noqa: E402
+from tests.integrations.trl_helpers import (  # noqa: E402
+    VOCAB,
+    compared_run,
+    cpu_run,
+    lce_callback,
+    make_model,
+    make_tokenizer,
+    spies,
+)
 
 add_fused_lm_head = trl_utils.add_fused_lm_head
 SFT_OUTPUTS = ("log_probs", "entropy", "is_top1")
@@ -387,20 +395,9 @@ def make_dataset(n=48):
 def train_sft(tmp_path, kind="llama", callbacks=(), peft_config=None, **config):
     from trl import SFTConfig, SFTTrainer
 
-    defaults = dict(
-        output_dir=str(tmp_path),
-        use_cpu=True,
-        report_to=[],
-        max_steps=3,
-        save_strategy="no",
-        bf16=False,
-        logging_steps=1,
-        per_device_train_batch_size=4,
-        optim="sgd",  # Adam would turn fp32 noise in near-zero gradients into lr-sized weight differences
-        learning_rate=0.3,
-        seed=0,
+    args = SFTConfig(
+        **compared_run(tmp_path, **{"max_steps": 3, "per_device_train_batch_size": 4, "learning_rate": 0.3, **config})
     )
-    args = SFTConfig(**{**defaults, **config})
     model = make_model(kind)
     if peft_config is not None:
         torch.manual_seed(1)  # LoRA init
@@ -509,7 +506,7 @@ def test_sft_trainer_bf16_mixed_precision(tmp_path):
 def test_sft_trainer_unrecognised_protocol_fails_loudly(tmp_path):
     from trl import SFTConfig, SFTTrainer
 
-    args = SFTConfig(output_dir=str(tmp_path), use_cpu=True, report_to=[], max_steps=1, save_strategy="no", bf16=False)
+    args = SFTConfig(**cpu_run(tmp_path, max_steps=1, bf16=False))
     trainer = SFTTrainer(
         model=make_model(),
         args=args,
@@ -526,7 +523,7 @@ def test_sft_trainer_unrecognised_protocol_fails_loudly(tmp_path):
 def test_sft_trainer_callback_added_after_init(tmp_path):
     from trl import SFTConfig, SFTTrainer
 
-    args = SFTConfig(output_dir=str(tmp_path), use_cpu=True, report_to=[], max_steps=1, save_strategy="no", bf16=False)
+    args = SFTConfig(**cpu_run(tmp_path, max_steps=1, bf16=False))
     trainer = SFTTrainer(
         model=make_model(), args=args, train_dataset=make_dataset(8), processing_class=make_tokenizer()
     )

@@ -21,7 +21,7 @@ from lce_patch.integrations import serving  # noqa: E402
 from lce_patch.integrations.trl import TRLProtocolError  # noqa: E402
 from lce_patch.integrations.trl import a2po as trl_a2po  # noqa: E402
 from tests.integrations.test_trl_preference import _STEPS, _logs, _lora, _model, _words, assert_same_logs  # noqa: E402
-from tests.integrations.trl_helpers import VOCAB, make_tokenizer  # noqa: E402
+from tests.integrations.trl_helpers import VOCAB, compared_run, make_tokenizer, record_calls  # noqa: E402
 
 
 def _reward(completions, **kwargs):
@@ -46,25 +46,18 @@ def make_trainer(tmp_path, callbacks=(), kind="llama", peft=False, **config):
         torch.manual_seed(2)
         model = get_peft_model(model, _lora())
     args = a2po.A2POConfig(
-        output_dir=str(tmp_path),
-        use_cpu=True,
-        bf16=False,
-        report_to=[],
-        max_steps=_STEPS,
-        save_strategy="no",
-        logging_steps=1,
-        per_device_train_batch_size=2,
-        gradient_accumulation_steps=2,
-        learning_rate=0.1,
-        optim="sgd",
-        seed=0,
-        disable_tqdm=True,
-        max_prompt_length=16,
-        max_completion_length=6,
-        num_value_samples=3,
-        filter_all_incorrect=False,
-        beta2=0.5,  # the implicit reward large enough that the log-probabilities matter in the loss
-        **config,
+        **compared_run(
+            tmp_path,
+            max_steps=_STEPS,
+            per_device_train_batch_size=2,
+            gradient_accumulation_steps=2,
+            max_prompt_length=16,
+            max_completion_length=6,
+            num_value_samples=3,
+            filter_all_incorrect=False,
+            beta2=0.5,  # the implicit reward large enough that the log-probabilities matter in the loss
+            **config,
+        )
     )
     return a2po.A2POTrainer(
         model=model,
@@ -78,15 +71,7 @@ def make_trainer(tmp_path, callbacks=(), kind="llama", peft=False, **config):
 
 @pytest.fixture
 def op_calls(monkeypatch):
-    calls = []
-    original = lce_ops.fused_linear_log_probs
-
-    def counting(*args, **kwargs):
-        calls.append(kwargs)
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(lce_ops, "fused_linear_log_probs", counting)
-    return calls
+    return record_calls(monkeypatch, "fused_linear_log_probs", lce_ops)
 
 
 @pytest.mark.parametrize("kind, peft", [("llama", False), ("gemma2", False), ("llama", True)])

@@ -11,7 +11,7 @@ gkd = pytest.importorskip("trl.experimental.gkd")
 from lce_patch import FusedLCECallback  # noqa: E402
 from lce_patch.integrations.trl import gkd as trl_gkd  # noqa: E402
 from tests.integrations.test_trl_distillation import _model  # noqa: E402
-from tests.integrations.trl_helpers import cpu_run, lora_config, make_tokenizer  # noqa: E402
+from tests.integrations.trl_helpers import cpu_run, lora_config, make_tokenizer, record_calls  # noqa: E402
 
 METRICS = ("loss", "grad_norm")
 CHAT_TEMPLATE = "{% for message in messages %}{{ message['content'] }} {% endfor %}"
@@ -65,15 +65,7 @@ def _train(tokenizer, callbacks, tmp_path, student_kind="llama", beta=0.5, peft=
 
 @pytest.fixture
 def op_calls(monkeypatch):
-    calls = []
-    original = trl_gkd.fused_linear_divergence
-
-    def counting(*args, **kwargs):
-        calls.append(kwargs)
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(trl_gkd, "fused_linear_divergence", counting)
-    return calls
+    return record_calls(monkeypatch, "fused_linear_divergence", trl_gkd)
 
 
 @pytest.mark.parametrize(
@@ -109,7 +101,7 @@ def test_a_subclass_with_its_own_loss_is_left_alone(tokenizer, tmp_path):
         def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
             return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
 
-    args = gkd.GKDConfig(output_dir=str(tmp_path), report_to=[], use_cpu=True, max_steps=1)
+    args = gkd.GKDConfig(**cpu_run(tmp_path, max_steps=1))
     with pytest.warns(UserWarning, match="overrides GKDTrainer's compute_loss"):
         trainer = CustomGKD(
             model=_model("llama", 32, 0),

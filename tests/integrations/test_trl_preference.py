@@ -28,7 +28,15 @@ from lce_patch import FusedLCECallback  # noqa: E402
 from lce_patch.integrations import serving  # noqa: E402
 from lce_patch.integrations.trl import TRLProtocolError, unserved  # noqa: E402
 from lce_patch.integrations.trl import preference as trl_preference  # noqa: E402
-from tests.integrations.trl_helpers import VOCAB, make_model, make_tokenizer  # noqa: E402
+from tests.integrations.trl_helpers import (  # noqa: E402
+    VOCAB,
+    compared_run,
+    cpu_run,
+    lora_config,
+    make_model,
+    make_tokenizer,
+    record_calls,
+)
 
 _TIMING_KEYS = ("runtime", "samples_per_second", "steps_per_second", "model_preparation_time")
 _STEPS = 2
@@ -65,27 +73,13 @@ def _reward(completions, **kwargs):
 
 
 def _lora(head: bool = False):
-    peft = pytest.importorskip("peft")
     targets = ["q_proj", "v_proj"] + (["lm_head"] if head else [])
-    return peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets, lora_dropout=0.0, task_type="CAUSAL_LM")
+    return lora_config(target_modules=targets, task_type="CAUSAL_LM")
 
 
 def make_trainer(name, tmp_path, callbacks=(), kind="llama", peft_config=None, eval_dataset=None, **config):
-    common = dict(
-        output_dir=str(tmp_path),
-        use_cpu=True,
-        bf16=False,  # TRL's default is bf16, where the two runs would differ by bfloat16 rounding of the logits
-        report_to=[],
-        max_steps=_STEPS,
-        save_strategy="no",
-        logging_steps=1,
-        per_device_train_batch_size=2,
-        gradient_accumulation_steps=2,
-        learning_rate=0.1,
-        optim="sgd",
-        seed=0,
-        disable_tqdm=True,
-        max_length=32,
+    common = compared_run(
+        tmp_path, max_steps=_STEPS, per_device_train_batch_size=2, gradient_accumulation_steps=2, max_length=32
     )
     if peft_config is not None:
         torch.manual_seed(2)  # LoRA init
@@ -126,15 +120,7 @@ def make_trainer(name, tmp_path, callbacks=(), kind="llama", peft_config=None, e
 
 @pytest.fixture
 def op_calls(monkeypatch):
-    calls = []
-    original = lce_ops.fused_linear_log_probs
-
-    def counting(*args, **kwargs):
-        calls.append(kwargs)
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(lce_ops, "fused_linear_log_probs", counting)
-    return calls
+    return record_calls(monkeypatch, "fused_linear_log_probs", lce_ops)
 
 
 def _logs(trainer):
@@ -281,7 +267,7 @@ def test_a_subclass_with_its_own_forward_is_left_to_trl(tmp_path):
         def concatenated_forward(self, model, batch):
             return super().concatenated_forward(model, batch)
 
-    args = orpo.ORPOConfig(output_dir=str(tmp_path), report_to=[], use_cpu=True, bf16=False, max_steps=1)
+    args = orpo.ORPOConfig(**cpu_run(tmp_path, bf16=False, max_steps=1))
     with pytest.warns(UserWarning, match="overrides ORPOTrainer's concatenated_forward"):
         trainer = CustomORPO(
             model=_model("llama"),

@@ -32,7 +32,7 @@ from lce_patch.integrations.trl import TRLProtocolError  # noqa: E402
 from lce_patch.integrations.trl import async_distillation as async_serving  # noqa: E402
 from lce_patch.integrations.trl import server_distillation as server_serving  # noqa: E402
 from tests.integrations.test_trl_distillation import _model  # noqa: E402
-from tests.integrations.trl_helpers import VOCAB, make_tokenizer  # noqa: E402
+from tests.integrations.trl_helpers import VOCAB, cpu_run, lora_config, make_tokenizer, record_calls  # noqa: E402
 
 warnings.filterwarnings("ignore", message=".*trl.experimental.*")
 
@@ -50,16 +50,7 @@ def _no_gpu_peak_flops(monkeypatch):
 
 @pytest.fixture
 def op_calls(monkeypatch):
-    calls = []
-    original = async_serving.fused_linear_sparse_divergence
-
-    def counting(*args, **kwargs):
-        calls.append(kwargs)
-        return original(*args, **kwargs)
-
-    for module in (async_serving, server_serving):
-        monkeypatch.setattr(module, "fused_linear_sparse_divergence", counting)
-    return calls
+    return record_calls(monkeypatch, "fused_linear_sparse_divergence", async_serving, server_serving)
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -96,26 +87,18 @@ def _train_server(tokenizer, monkeypatch, tmp_path, callbacks, kind="llama", pef
         [{"prompt": " ".join(f"w{4 + (i * 7 + j) % 50}" for j in range(6))} for i in range(8)]
     )
     args = server_module.ServerDistillationConfig(
-        output_dir=str(tmp_path),
-        teacher_model_server_url="http://teacher.invalid",
-        bf16=False,  # float32: TRL's default bf16 rounds its logits to bfloat16, which the op does not
-        per_device_train_batch_size=4,
-        max_steps=2,
-        max_completion_length=12,
-        logging_steps=1,
-        report_to=[],
-        use_cpu=True,
-        save_strategy="no",
-        seed=0,
-        learning_rate=1e-2,
-        disable_tqdm=True,
-        **config,
+        **cpu_run(
+            tmp_path,
+            teacher_model_server_url="http://teacher.invalid",
+            bf16=False,  # float32: TRL's default bf16 rounds its logits to bfloat16, which the op does not
+            per_device_train_batch_size=4,
+            max_steps=2,
+            max_completion_length=12,
+            learning_rate=1e-2,
+            **config,
+        )
     )
-    peft_config = None
-    if peft:
-        from peft import LoraConfig
-
-        peft_config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+    peft_config = lora_config() if peft else None
     trainer = server_module.ServerDistillationTrainer(
         model=_model(kind, 32, 0),
         args=args,
@@ -181,20 +164,15 @@ def _async_trainer(tokenizer, tmp_path, callbacks, kind="llama", teachers=("t",)
     _model(kind, 32, 0).save_pretrained(path)
     tokenizer.save_pretrained(path)
     args = async_module.AsyncDistillationConfig(
-        output_dir=str(tmp_path / "out"),
-        model_init_kwargs={"attn_implementation": "eager", "dtype": "float64"},
-        teacher_server_urls={name: f"http://{name}.invalid" for name in teachers},
-        bf16=False,
-        report_to=[],
-        use_cpu=True,
-        save_strategy="no",
-        **config,
+        **cpu_run(
+            tmp_path / "out",
+            model_init_kwargs={"attn_implementation": "eager", "dtype": "float64"},
+            teacher_server_urls={name: f"http://{name}.invalid" for name in teachers},
+            bf16=False,
+            **config,
+        )
     )
-    peft_config = None
-    if peft:
-        from peft import LoraConfig
-
-        peft_config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+    peft_config = lora_config() if peft else None
     return async_module.AsyncDistillationTrainer(
         model=str(path),
         args=args,

@@ -19,7 +19,15 @@ if not hasattr(trl_utils, "add_fused_lm_head"):
     pytest.skip("TRL without add_fused_lm_head (< 1.15)", allow_module_level=True)
 datasets = pytest.importorskip("datasets")
 
-from tests.integrations.trl_helpers import VOCAB, lce_callback, make_model, make_tokenizer, spies  # noqa: E402
+from tests.integrations.trl_helpers import (  # noqa: E402
+    VOCAB,
+    compared_run,
+    lce_callback,
+    lora_config,
+    make_model,
+    make_tokenizer,
+    spies,
+)
 
 # Wall-clock keys differ run to run; everything else TRL logs must agree.
 _TIMING_KEYS = ("step_time", "train_runtime", "train_samples_per_second", "train_steps_per_second")
@@ -81,19 +89,7 @@ def reward_w5(completions, **kwargs):
 
 
 def make_trainer(name, path, callbacks=(), peft_config=None, **config):
-    common = dict(
-        output_dir=config.pop("output_dir"),
-        use_cpu=True,
-        report_to=[],
-        max_steps=_STEPS,
-        save_strategy="no",
-        bf16=False,
-        logging_steps=1,
-        per_device_train_batch_size=4,
-        learning_rate=0.1,
-        optim="sgd",  # Adam would turn fp32 noise in near-zero gradients into lr-sized weight differences
-        seed=0,
-    )
+    common = compared_run(config.pop("output_dir"), max_steps=_STEPS, per_device_train_batch_size=4)
     kwargs = dict(model=path, processing_class=make_tokenizer(), callbacks=list(callbacks), peft_config=peft_config)
     if peft_config is not None:
         torch.manual_seed(1)  # LoRA init
@@ -129,11 +125,6 @@ def assert_same_logs(theirs, ours, rtol=1e-4, atol=1e-5):
             assert b[key] == pytest.approx(a[key], rel=rtol, abs=atol), (key, a[key], b[key])
 
 
-def _lora():
-    peft = pytest.importorskip("peft")
-    return peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
-
-
 CASES = {
     "dpo": ("dpo", "llama", {}),
     "dpo-gemma2-wpo": ("dpo", "gemma2", {"use_weighting": True}),  # softcap; WPO asks for log(sum p^2)
@@ -151,7 +142,7 @@ PARAMS = [(case, False) for case in CASES] + [(name, True) for name in ("dpo", "
 @pytest.mark.parametrize("case, peft", PARAMS, ids=[f"{case}-{'lora' if peft else 'full'}" for case, peft in PARAMS])
 def test_trainer_metrics_match_trl_head(model_paths, tmp_path, case, peft):
     name, kind, config = CASES[case]
-    peft_config = _lora() if peft else None
+    peft_config = lora_config(task_type="CAUSAL_LM") if peft else None
     path = model_paths[kind]
     _, theirs, trl_calls = train(name, path, tmp_path / "trl", peft_config=peft_config, **config)
     assert trl_calls.theirs.call_count > 0 and trl_calls.ours.call_count == 0

@@ -1,5 +1,6 @@
 """Shared pieces of the TRL integration tests: tiny models, a word-level tokenizer built offline, the training
-arguments every CPU run shares, a LoRA config, spies on lce_patch's op and on TRL's chunked kernel."""
+arguments every CPU run shares (and those of runs compared with each other), a LoRA config, spies on lce_patch's op
+and on TRL's chunked kernel, a recorder of the served op's calls."""
 
 from __future__ import annotations
 
@@ -87,6 +88,28 @@ def cpu_run(output_dir, **overrides) -> dict:
         disable_tqdm=True,
     )
     return {**common, **overrides}
+
+
+def compared_run(output_dir, **overrides) -> dict:
+    """:func:`cpu_run`'s arguments for a run whose logs are compared with another's (with and without lce_patch):
+    float32 (TRL's default bf16 would round the two runs' logits differently) and SGD at learning rate 0.1 (Adam
+    would turn fp32 noise in near-zero gradients into lr-sized weight differences), with ``overrides``."""
+    return cpu_run(output_dir, **{"bf16": False, "optim": "sgd", "learning_rate": 0.1, **overrides})
+
+
+def record_calls(monkeypatch, name: str, *modules) -> list[dict]:
+    """The keyword arguments of every call of the function ``name`` of ``modules`` (where the served code looks it
+    up; the first module's is called) from now on, appended as they come."""
+    calls = []
+    original = getattr(modules[0], name)
+
+    def counting(*args, **kwargs):
+        calls.append(kwargs)
+        return original(*args, **kwargs)
+
+    for module in modules:
+        monkeypatch.setattr(module, name, counting)
+    return calls
 
 
 def lora_config(**overrides):

@@ -41,3 +41,8 @@ def on(backend: str, *tensors):
     device = device_of(backend)
     moved = tuple(None if t is None else t.to(device) for t in tensors)
     return moved[0] if len(moved) == 1 else moved
+
+
+def placed(options: dict, device: torch.device) -> dict:
+    """``options`` with their tensors (``num_items_in_batch``) moved to ``device``."""
+    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in options.items()}

@@ -39,6 +39,19 @@ def make_inputs(n=37, d=19, v=101, *, batch=None, bias=False, ignore_every=5, se
     return hidden, weight, labels, b
 
 
+def make_problem(seed: int, *, bias: bool = False, leading=(16,), ignore_index: int = -100) -> dict:
+    """Float64 keyword inputs of the suite of every op (test_every_op.py): hidden [*leading, 16], weight
+    [48, 16], labels shaped ``leading`` with every 4th row's ``ignore_index`` (12 of 16 valid by default), and
+    bias [48] with ``bias``."""
+    rows = int(torch.tensor(leading).prod())
+    hidden, weight, labels, b = make_inputs(rows, 16, 48, bias=bias, ignore_every=4, seed=seed)
+    labels[labels == -100] = ignore_index
+    problem = dict(hidden=hidden.reshape(*leading, -1), weight=weight, labels=labels.reshape(leading))
+    if bias:
+        problem["bias"] = b
+    return problem
+
+
 def leaf(t, dtype, requires_grad=True, device=CPU):
     return None if t is None else t.to(device, dtype).detach().requires_grad_(requires_grad)
 
@@ -535,7 +548,7 @@ def test_module_wrapper():
     ref = naive_linear_cross_entropy(hidden, weight, labels, bias=b, softcap=4.0, reduction="sum")
     assert rel_err(loss, ref) < 1e-5
     assert "softcap=4.0" in repr(module)
-    with pytest.raises(ValueError, match="unknown reduction"):
+    with pytest.raises(ValueError, match="reduction must be one of"):
         FusedLinearCrossEntropy(reduction="bad")
 
 

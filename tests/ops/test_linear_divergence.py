@@ -13,7 +13,7 @@ import torch
 from lce_patch import fused_linear_divergence
 from lce_patch.ops.linear_divergence import naive_linear_divergence
 
-from .devices import BACKENDS, CPU, TRITON_DEVICE, device_of, on
+from .devices import BACKENDS, CPU, TRITON_DEVICE, device_of, on, placed
 from .test_linear_cross_entropy import rel_err
 
 BETAS = [0.0, 0.3, 0.5, 1.0]
@@ -69,11 +69,6 @@ def assert_matches(fused, reference, rtol: float, atol: float) -> None:
         torch.testing.assert_close(
             grads[name].cpu().double() / scale, grad.double() / scale, rtol=rtol, atol=atol, msg=name
         )
-
-
-def placed(options: dict, device: torch.device) -> dict:
-    """The options with their tensors (num_items_in_batch) on ``device``."""
-    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in options.items()}
 
 
 OPTIONS = {

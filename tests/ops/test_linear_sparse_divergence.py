@@ -19,7 +19,7 @@ import lce_patch
 from lce_patch import fused_linear_sparse_divergence
 from lce_patch.ops.linear_sparse_divergence import naive_linear_sparse_divergence
 
-from .devices import BACKENDS, CPU, TRITON_BF16, TRITON_DEVICE, device_of, on
+from .devices import BACKENDS, CPU, TRITON_BF16, TRITON_DEVICE, device_of, on, placed
 from .test_linear_cross_entropy import rel_err
 
 REPO = Path(__file__).resolve().parents[2]
@@ -95,11 +95,6 @@ def assert_matches(fused, reference, rtol: float, atol: float) -> None:
         torch.testing.assert_close(
             grads[name].cpu().double() / scale, grad.double() / scale, rtol=rtol, atol=atol, msg=name
         )
-
-
-def placed(options: dict, device: torch.device) -> dict:
-    """The options with their tensors (num_items_in_batch) on ``device``."""
-    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in options.items()}
 
 
 OPTIONS = {

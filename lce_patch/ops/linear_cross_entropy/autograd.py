@@ -122,7 +122,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
     """The chunked op for eager calls; see the module docstring.
 
     Inputs: hidden [N, D], weight [V, D], bias [V] or None (all one float dtype, any strides), labels [N]
-    integer, num_items (0-d tensor for ``reduction="items"``, else None), a low-rank term's hidden [N, r] and
+    integer, num_items (0-d tensor, ``num_items_in_batch``, or None), a low-rank term's hidden [N, r] and
     weight [V, r] or None (:class:`LowRank`, same dtype), token_weights [N] and class_weights [V] or None (a
     scalar loss's; no gradient), then the :class:`CrossEntropyOptions`.
     Outputs: loss (0-d, or [N]), entropy [N] (or empty), is_top1 [N] bool (or empty), mean_logit [N]

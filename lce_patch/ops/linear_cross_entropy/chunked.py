@@ -45,9 +45,10 @@ from typing import NamedTuple
 import torch
 
 from ..core.backend import stats_dtype
-from ..core.checks import check_labels, check_num_items, check_weights, selected_rows
+from ..core.checks import check_labels, check_weights, selected_rows
 from ..core.chunking import buffer_rows, resolve_chunks
 from ..core.grads import GradAccumulator, LowRank, fp32_output_gemm_available, logits_into
+from ..core.reduction import loss_scale
 from .options import OP_NAME, CrossEntropyOptions
 from .rows import ClassSmoothing, RowOutputs, chunk_grad, chunk_stats, target_logits, unnormalized_grad_applies
 from .vocab_parallel import ShardRowPass, all_reduce_sum, shard_labels
@@ -135,26 +136,24 @@ class ForwardOutputs(NamedTuple):
 
 
 def _reduce_scale(
-    reduction: str | None,
+    reduction: str,
     num_valid: torch.Tensor,
     num_items: torch.Tensor | None,
     dtype: torch.dtype,
     weight_sum: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
-    """The factor a scalar loss applies to the sum of token losses (0-d), None for per-token outputs.
-    ``weight_sum``: the mean's denominator with class weights (the valid labels' weights, as torch's), else the
-    count of valid labels."""
-    if reduction is None:
-        return None
-    if reduction == "mean":
-        if weight_sum is not None:
-            return torch.where(weight_sum > 0, 1.0 / weight_sum.to(dtype), 0.0)
-        return 1.0 / num_valid.clamp(min=1).to(dtype)
-    if reduction == "sum":
-        return torch.ones((), dtype=dtype, device=num_valid.device)
-    num_items = num_items.to(device=num_valid.device, dtype=dtype).reshape(())
-    check_num_items(num_items, num_valid, op_name=OP_NAME)
-    return torch.where(num_items > 0, 1.0 / num_items, 0.0)  # 0 only when no label is valid: a 0 loss
+    """The factor a scalar loss applies to the sum of token losses (0-d, ``dtype``), None for per-token outputs
+    (:func:`..core.reduction.loss_scale`). "mean" divides by ``weight_sum`` with class weights (the valid labels'
+    weights, as torch's), else by the count of valid labels; ``num_items`` may be 0 only when that count is."""
+    count = weight_sum if weight_sum is not None and num_items is None else num_valid
+    return loss_scale(
+        count.to(dtype),
+        num_items,
+        reduction,
+        op_name=OP_NAME,
+        none_counted="every label is ignored",
+        counted="valid labels",
+    )
 
 
 def _row_weights(
@@ -227,10 +226,10 @@ def chunked_forward(
     """The chunked forward (see the module docstring), with the checks that read tensor values.
 
     hidden [N, D], weight [V, D], bias [V] or None, ``low_rank``'s tensors: one float dtype, any strides.
-    labels [N] integer. num_items: 0-d tensor for ``reduction="items"``. token_weights [N] and class_weights
-    [V] (any float dtype, a scalar loss only): each valid token's loss times its weight and its label's class
-    weight; the class weights also make "mean" the weighted mean, and with label smoothing weigh its term as
-    torch does (:func:`_class_smoothing`). Runs with autocast off (the caller casts).
+    labels [N] integer. num_items: 0-d tensor (``num_items_in_batch``) or None. token_weights [N] and
+    class_weights [V] (any float dtype, a scalar loss only): each valid token's loss times its weight and its
+    label's class weight; the class weights also make "mean" the weighted mean, and with label smoothing weigh its
+    term as torch does (:func:`_class_smoothing`). Runs with autocast off (the caller casts).
     """
     with torch.autocast(hidden.device.type, enabled=False):
         return _chunked_forward(

@@ -10,13 +10,12 @@ import torch
 
 from ..core.backend import BACKENDS, resolve_backend
 from ..core.checks import num_items_tensor
+from ..core.reduction import check_reduction
 from .autograd import LinearCrossEntropyFunction
 from .custom_op import compiled_linear_cross_entropy
 from .inputs import check_inputs, compute_dtype, loss_weights, low_rank_inputs, shift_labels
 from .options import OP_NAME, SCHEMA, CrossEntropyOptions, ExtraOutputs, check_flag, fail
 from .vocab_parallel import VocabShard, check_shard, is_dtensor, unwrap_dtensors
-
-_REDUCTIONS = ("mean", "sum", "none")
 
 
 class CrossEntropyOutputs(NamedTuple):
@@ -159,7 +158,7 @@ def _run_chunked(
     if options.num_valid_tokens is not None and options.num_valid_tokens > labels.shape[0]:
         fail(f"num_valid_tokens={options.num_valid_tokens} exceeds the number of tokens ({labels.shape[0]})")
     num_items = None
-    if options.reduction == "items":
+    if num_items_in_batch is not None:
         num_items = num_items_tensor(num_items_in_batch, hidden.device, OP_NAME)
 
     grad_on = torch.is_grad_enabled()
@@ -302,10 +301,7 @@ def fused_linear_cross_entropy(
         predicted_tokens), None for what was not asked.
     """
     del deterministic  # every path is deterministic; kept in the signature as a documented promise
-    if reduction not in _REDUCTIONS:
-        fail(f"unknown reduction {reduction!r}; expected one of {_REDUCTIONS}")
-    if num_items_in_batch is not None and reduction == "none":
-        fail("num_items_in_batch cannot be combined with reduction='none'")
+    check_reduction(reduction, num_items_in_batch, OP_NAME)
     for name, flag in (
         ("return_lse", return_lse),
         ("return_token_accuracy", return_token_accuracy),
@@ -318,9 +314,7 @@ def fused_linear_cross_entropy(
         logit_scale=logit_scale,
         label_smoothing=label_smoothing,
         z_loss=z_loss,
-        reduction="items"
-        if num_items_in_batch is not None
-        else {"mean": "mean", "sum": "sum", "none": None}[reduction],
+        reduction=reduction,
         backend=backend,
         shift=shift,
         chunk_size=chunk_size,
@@ -405,7 +399,7 @@ def fused_linear_log_probs(
         softcap=softcap,
         logit_scale=logit_scale,
         temperature=temperature,
-        reduction=None,
+        reduction="none",
         backend=backend,
         shift=shift,
         want=ExtraOutputs(
@@ -454,8 +448,7 @@ class FusedLinearCrossEntropy(torch.nn.Module):
         skip_ignored: bool = False,
     ) -> None:
         super().__init__()
-        if reduction not in _REDUCTIONS:
-            fail(f"unknown reduction {reduction!r}; expected one of {_REDUCTIONS}")
+        check_reduction(reduction, None, OP_NAME)
         if backend not in BACKENDS:
             fail(f"unknown backend {backend!r}; expected one of {BACKENDS}")
         self.options = dict(

@@ -13,13 +13,13 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from ..core import checks
+from ..core import checks, reduction
 from ..core.backend import BACKENDS
 from ..core.schema import OPERATOR, OptionsSchema
 from ..core.transform import LogitTransform
 
 OP_NAME = "fused_linear_cross_entropy"
-REDUCTIONS = ("mean", "sum", "items")  # scalar losses; None: per-token outputs
+REDUCTIONS = reduction.REDUCTIONS
 
 
 def fail(message: str) -> None:
@@ -71,9 +71,10 @@ class CrossEntropyOptions(LogitTransform):
     (:class:`..core.transform.LogitTransform`: ``ignore_index``, ``softcap``, ``logit_scale``, ``temperature``,
     ``label_smoothing``, ``z_loss``, ``vocab_size``) come first; the row passes read this object as that transform.
 
-    reduction: "mean" (over valid labels), "sum", "items" (sum / num_items_in_batch) for a scalar loss, or None
-    for per-token outputs. backend: as asked ("auto", "triton", "torch"); use_triton: what it resolved to for
-    the call's tensors. shift: labels are shifted before the chunked op (which never reads it). needs_grad:
+    reduction: one of :data:`..core.reduction.REDUCTIONS`: "mean" (over valid labels) or "sum" for a scalar loss
+    (either one the sum / ``num_items_in_batch`` when the call passes that count, a 0-d tensor beside the options),
+    "none" for per-token outputs. backend: as asked ("auto", "triton", "torch"); use_triton: what it resolved to
+    for the call's tensors. shift: labels are shifted before the chunked op (which never reads it). needs_grad:
     whether (hidden, weight, bias) get gradients; needs_low_rank_grad: whether the low-rank term's (hidden,
     weight) do. want: the :class:`ExtraOutputs` to compute (a plain tuple of six flags is taken in that
     order). chunk_size: rows per chunk, None for the default. skip_ignored / num_valid_tokens: process the valid
@@ -83,7 +84,7 @@ class CrossEntropyOptions(LogitTransform):
     vocabulary's, and ``want`` all False); never through the custom operators.
     """
 
-    reduction: str | None = "mean"
+    reduction: str = "mean"
     backend: str = "auto"
     use_triton: bool = False
     shift: bool = False
@@ -106,8 +107,8 @@ class CrossEntropyOptions(LogitTransform):
         check_real("label_smoothing", self.label_smoothing, minimum=0.0, maximum=1.0)
         check_real("z_loss", self.z_loss, minimum=0.0)
         check_int("vocab_size", self.vocab_size, minimum=1, allow_none=True)
-        if self.reduction is not None and self.reduction not in REDUCTIONS:
-            fail(f"unknown reduction {self.reduction!r}; expected one of {REDUCTIONS} or None")
+        if self.reduction not in REDUCTIONS:
+            fail(f"reduction must be one of {REDUCTIONS}, got {self.reduction!r}")
         if self.backend not in BACKENDS:
             fail(f"unknown backend {self.backend!r}; expected one of {BACKENDS}")
         check_int("chunk_size", self.chunk_size, minimum=1, allow_none=True)
@@ -131,7 +132,7 @@ class CrossEntropyOptions(LogitTransform):
     @property
     def scalar(self) -> bool:
         """Whether the loss is one number (its gradients are then computed in the forward)."""
-        return self.reduction is not None
+        return self.reduction != "none"
 
     @property
     def selects_rows(self) -> bool:

@@ -1,5 +1,6 @@
 """Bad input to the cross-entropy ops gets a clear error naming the problem, never a kernel crash or a
-silently wrong number; second-order gradients are refused by name.
+silently wrong number; second-order gradients are refused by name. The errors every op gives (a non-tensor,
+an integer dtype, a hidden size, a device, a reduction, a chunk size) are in test_every_op.py.
 """
 
 from __future__ import annotations
@@ -17,23 +18,18 @@ from .test_linear_cross_entropy import leaf, make_inputs
     "mutate, message",
     [
         (lambda a: a.update(hidden=a["hidden"][0]), "hidden must be"),
-        (lambda a: a.update(weight=a["weight"][:, :5]), "does not match"),
         (lambda a: a.update(labels=a["labels"][:-1]), "labels must have shape"),
         (lambda a: a.update(labels=a["labels"].float()), "integer"),
         (lambda a: a.update(bias=torch.zeros(3)), "bias must have shape"),
-        (lambda a: a.update(hidden=a["hidden"].long()), "unsupported dtype"),
         (lambda a: a.update(weight=a["weight"].double()), "share one dtype"),
-        (lambda a: a.update(reduction="avg"), "unknown reduction"),
         (lambda a: a.update(backend="cuda"), "unknown backend"),
-        (lambda a: a.update(reduction="none", num_items_in_batch=3), "reduction='none'"),
+        (lambda a: a.update(reduction="none", num_items_in_batch=3), "needs a scalar reduction"),
         (lambda a: a.update(num_items_in_batch=0), "num_items_in_batch"),
-        (lambda a: a.update(chunk_size=0), "chunk_size"),
         (lambda a: a.update(softcap=-1.0), "softcap"),
         (lambda a: a.update(label_smoothing=1.5), "label_smoothing"),
         (lambda a: a.update(z_loss=-1.0), "z_loss"),
         (lambda a: a["labels"].__setitem__(4, 101), "outside"),
         (lambda a: a["labels"].__setitem__(4, -2), "outside"),
-        (lambda a: a.update(weight=a["weight"].to("meta")), "one device"),
         (lambda a: a.update(num_valid_tokens=28), "num_valid_tokens=28 but 29"),
         (lambda a: a.update(num_valid_tokens=38), "exceeds the number of tokens"),
         (lambda a: a.update(num_valid_tokens=-1), "num_valid_tokens must be >= 0"),
@@ -56,7 +52,6 @@ from .test_linear_cross_entropy import leaf, make_inputs
         (lambda a: a.update(chunk_size=True), "chunk_size must be a Python int"),
         (lambda a: a.update(chunk_size=8.0), "chunk_size must be a Python int"),
         (lambda a: a.update(bias=[0.0] * 101), "bias must be a torch.Tensor or None"),
-        (lambda a: a.update(hidden=a["hidden"].tolist()), "hidden must be a torch.Tensor"),
         (lambda a: a.update(labels=None), "labels must be a torch.Tensor"),
         (lambda a: a.update(shift="yes"), "shift must be a bool"),
         (lambda a: a.update(skip_ignored=1), "skip_ignored must be a bool"),
