@@ -42,7 +42,9 @@ then searches, per method, the largest micro-batch that trains one step without 
 Safety: after every method (and every attempt of the search) the ranks agree over a gloo group, with a timeout, on
 whether any of them failed. An out-of-memory error on some ranks only can leave the others waiting inside a
 collective: then the agreement times out, the JSON written so far is kept, and the run ends (exit status 3) rather
-than hang; so the search runs last.
+than hang; so the search runs last. A method that starts with GPU memory an earlier method of the launch left
+allocated says so in its row (DeepSpeed ZeRO-3's engine was seen to keep ~30 GiB a rank after its method, with
+DeepSpeed 0.19.8: under ZeRO-3 run one method per launch).
 
 Output: JSON to ``--out`` (a directory, default ``$OUT``; one file per launch, rewritten after every method) with
 device, versions, date, commit, engine, world size, model, layers, sequence length and every method's numbers;
@@ -75,6 +77,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))  # bench_common, model_configs
 from model_configs import RELEASED_CONFIGS  # noqa: E402
 
 IGNORE = -100
+LEFT_BEHIND_GIB = 0.5  # memory allocated at a method's start past which an earlier method is said to have left it
 METHODS = (
     "unpatched",
     "lce_patch",
@@ -752,6 +755,10 @@ class Run:
     def summarize(self, method: str, ranks: list[dict[str, Any]], batch: int) -> dict[str, Any]:
         """Rank 0's step times (the steps are collective), memory as the maximum over ranks."""
         errors = {r["rank"]: r["error"] for r in ranks if "error" in r}
+        # GPU memory an earlier method of this launch still held when this one started: its numbers (an
+        # out-of-memory error above all) are then not this method's alone
+        left = max((r.get("start_allocated_gib", 0.0) for r in ranks), default=0.0)
+        held = {"left_by_earlier_gib": round(left, 2)} if left > LEFT_BEHIND_GIB else {}
         if errors:
             first = ranks[min(errors)]
             return {
@@ -759,6 +766,7 @@ class Run:
                 "error": first["error"],
                 "failed_ranks": sorted(errors),
                 "traceback": first.get("traceback"),
+                **held,
             }
         lead = ranks[0]
         times = lead["step_s"][self.args.warmup :] if len(lead["step_s"]) > self.args.warmup else []
@@ -775,6 +783,7 @@ class Run:
             "train_s": round(lead["train_s"], 2),
             "step_s": [round(t, 4) for t in lead["step_s"]],
             "losses": lead["losses"],
+            **held,
         }
         if times:
             per_gpu = [tokens_step / t / self.world for t in times]
@@ -897,13 +906,19 @@ class Run:
         ]
         for method, m in r["methods"].items():
             mb = r["max_batch"].get(method, {}).get("max_micro_batch", "")
+            left = (
+                f" (started with {m['left_by_earlier_gib']:.1f} GiB an earlier method left allocated: run it in a "
+                "launch of its own)"
+                if "left_by_earlier_gib" in m
+                else ""
+            )
             if m["status"] != "ok":
                 reason = m.get("reason") or m.get("error", "")
-                lines.append(f"| {method} | {m['status']}: {reason[:90]} | | | {mb} | |")
+                lines.append(f"| {method} | {m['status']}: {reason[:90]}{left} | | | {mb} | |")
                 continue
             losses = m.get("losses") or [None]
             lines.append(
-                f"| {method} | {fmt(m.get('tokens_per_s_per_gpu'), '.0f')} | {fmt(m.get('spread'), '.1%')} "
+                f"| {method}{left} | {fmt(m.get('tokens_per_s_per_gpu'), '.0f')} | {fmt(m.get('spread'), '.1%')} "
                 f"| {fmt(m.get('peak_gib'), '.2f')} | {mb} | {fmt(losses[0], '.3f')} / {fmt(losses[-1], '.3f')} |"
             )
         return "\n".join(lines)

@@ -180,3 +180,43 @@ def test_build_initialises_every_buffer(name):
         assert {k.split(".")[-4] for k in trainable} == set(module.LORA_TARGETS)  # <proj>.lora_A.default.weight
     else:
         assert len(trainable) == len(list(model.parameters()))
+
+
+def test_memory_an_earlier_method_left_is_reported():
+    # A method that starts with memory an earlier one left allocated (DeepSpeed's engine, seen under ZeRO-3) says so
+    # in its record and its table row, whether it trained or ran out of memory
+    module = _load()
+    run = object.__new__(module.Run)
+    run.args = module.parse_args(["--cpu", "--warmup", "1", "--steps", "2"])
+    run.dp_size, run.world = 2, 2
+    failed = [
+        {"rank": 0, "error": "OutOfMemoryError: CUDA out of memory", "oom": True, "start_allocated_gib": 30.2},
+        {"rank": 1, "error": "OutOfMemoryError: CUDA out of memory", "oom": True, "start_allocated_gib": 29.9},
+    ]
+    clean = {"trainer": "Trainer", "distributed_type": "DEEPSPEED", "compiled": False, "params": 1, "trainable": 1}
+    clean |= {"build_s": 0.1, "train_s": 1.0, "step_s": [0.5, 0.5, 0.5], "losses": [1.0, 1.0]}
+    trained = [{**clean, "rank": r, "start_allocated_gib": 0.01} for r in (0, 1)]
+    assert run.summarize("unpatched", failed, 1)["left_by_earlier_gib"] == 30.2
+    assert "left_by_earlier_gib" not in run.summarize("lce_patch", trained, 1)
+    run.report = {
+        "engine": "zero3",
+        "world_size": 2,
+        "device": "cpu",
+        "model": "llama-3.1-8b",
+        "layers": 2,
+        "full_layers": 32,
+        "seq_len": 64,
+        "micro_batch": 1,
+        "warmup_steps": 1,
+        "timed_steps": 2,
+        "git": "x",
+        "date": "d",
+        "max_batch": {},
+        "versions": {"torch": "t", "transformers": "t", "trl": "t", "liger-kernel": "t", "deepspeed": "d"},
+        "methods": {
+            "lce_patch": run.summarize("lce_patch", trained, 1),
+            "unpatched": run.summarize("unpatched", failed, 1),
+        },
+    }
+    rows = [line for line in run.table().splitlines() if line.startswith("| unpatched") or line.startswith("| lce_")]
+    assert "30.2 GiB an earlier method left" in rows[1] and "earlier method" not in rows[0]
