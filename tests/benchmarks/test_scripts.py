@@ -34,6 +34,7 @@ SCRIPTS = [
     "chunk_sweep.py",
     "bench_lora_head.py",
     "plot_results.py",
+    "plot_multi_gpu.py",
     "research/probe_gemm_epilogue.py",
     "research/schedule_bound.py",
     "research/probe_weight_grad.py",
