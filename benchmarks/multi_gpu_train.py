@@ -43,8 +43,8 @@ Safety: after every method (and every attempt of the search) the ranks agree ove
 whether any of them failed. An out-of-memory error on some ranks only can leave the others waiting inside a
 collective: then the agreement times out, the JSON written so far is kept, and the run ends (exit status 3) rather
 than hang; so the search runs last. A method that starts with GPU memory an earlier method of the launch left
-allocated says so in its row (DeepSpeed ZeRO-3's engine was seen to keep ~30 GiB a rank after its method, with
-DeepSpeed 0.19.8: under ZeRO-3 run one method per launch).
+allocated says so in its row. Under DeepSpeed ZeRO-3 on GPUs the script takes one method per launch: DeepSpeed
+0.19.8 keeps a destroyed engine's model and optimizer alive for the process (~30 GiB a rank for an 8B model).
 
 Output: JSON to ``--out`` (a directory, default ``$OUT``; one file per launch, rewritten after every method) with
 device, versions, date, commit, engine, world size, model, layers, sequence length and every method's numbers;
@@ -201,6 +201,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--layers must be >= 1")
     if not 0.0 <= args.prompt_fraction < 0.95:
         parser.error("--prompt-fraction must be in [0, 0.95)")
+    zero3 = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true" and (
+        os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE") == "3"
+    )
+    if zero3 and not args.cpu and (len(args.methods) > 1 or args.max_batch):
+        parser.error(
+            "under DeepSpeed ZeRO-3 run one method per launch (--methods unpatched, then --methods lce_patch, ...) "
+            "and no --max-batch: DeepSpeed 0.19 keeps an engine's model and optimizer alive for the process after "
+            "it is destroyed (its module-level forward stack, a class-level cache and per-module autograd classes "
+            "hold them), so the next method would start with ~30 GiB a rank taken (8B model)"
+        )
     if args.cpu and args.seq_len == 8192:
         args.seq_len = 64  # the default length is a GPU length
     return args

@@ -220,3 +220,17 @@ def test_memory_an_earlier_method_left_is_reported():
     }
     rows = [line for line in run.table().splitlines() if line.startswith("| unpatched") or line.startswith("| lce_")]
     assert "30.2 GiB an earlier method left" in rows[1] and "earlier method" not in rows[0]
+
+
+def test_zero3_takes_one_method_per_launch(monkeypatch):
+    module = _load()
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_ZERO_STAGE", "3")
+    with pytest.raises(SystemExit):
+        module.parse_args(["--methods", "unpatched,lce_patch"])
+    with pytest.raises(SystemExit):
+        module.parse_args(["--methods", "lce_patch", "--max-batch", "8"])
+    assert module.parse_args(["--methods", "lce_patch"]).methods == ["lce_patch"]
+    assert module.parse_args(["--cpu", "--methods", "unpatched,lce_patch"]).methods == ["unpatched", "lce_patch"]
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_ZERO_STAGE", "2")
+    assert len(module.parse_args(["--methods", "unpatched,lce_patch"]).methods) == 2
