@@ -39,6 +39,12 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def accelerate_launch_args(config) -> list[str]:
+    """``python -m accelerate.commands.launch --config_file CONFIG`` on a port of its own: two launches of the
+    default port (29500) from tests running side by side would meet in one rendezvous."""
+    return ["-m", "accelerate.commands.launch", "--config_file", str(config), "--main_process_port", str(free_port())]
+
+
 def _worker(rank: int, world_size: int, port: int, fn: Callable[..., Any], args: tuple) -> None:
     os.environ.update(
         MASTER_ADDR="127.0.0.1",

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.multiprocess import rerun_on_native_abort
+from tests.multiprocess import accelerate_launch_args, rerun_on_native_abort
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "benchmarks" / "checks" / "distill_multi_gpu_check.py"
@@ -46,7 +46,7 @@ def test_zero3_on_cpu_equals_one_process(tmp_path):
         "OUT": str(tmp_path),
     }
     env.pop("TRITON_INTERPRET", None)  # CPU runs take the torch backend, as a user's would
-    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config), str(SCRIPT)]
+    command = [sys.executable, *accelerate_launch_args(config), str(SCRIPT)]
     command += ["--vocab", "256", "--hidden", "32"]
     result = rerun_on_native_abort(
         lambda: subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.multiprocess import rerun_on_native_abort
+from tests.multiprocess import accelerate_launch_args, rerun_on_native_abort
 
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 REPO = BENCHMARKS.parent
@@ -44,12 +44,12 @@ def test_cp_check_ulysses_on_cpu(arch, extra, tmp_path):
     # losses and updates equal one process on the whole sequences, every shifted label scored once across the two
     # slices, rank 0 holding no valid label at the second step.
     config = REPO / "recipes" / "accelerate" / "ulysses.yaml"
-    args = ["-m", "accelerate.commands.launch", "--config_file", str(config), "benchmarks/checks/cp_check.py"]
+    args = [*accelerate_launch_args(config), "benchmarks/checks/cp_check.py"]
     args += ["--cpu", "--arch", arch, *extra]
     env_extra = {"PYTHONPATH": f"{REPO}{os.pathsep}{DEEPSPEED_SITE}", "DS_ACCELERATOR": "cpu"}
     result = rerun_on_native_abort(lambda: _run(args, tmp_path, env_extra=env_extra))
     assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
-    label = "unpatched" if extra else "patched"
+    label = "unpatched" if "--unpatched" in extra else "patched"
     assert f"PASS cp_check sp {arch} {label} world_size=2" in result.stdout
     assert "FAIL" not in result.stdout
     report = json.loads((tmp_path / f"cp_check_sp_{arch}_{label}_w2.json").read_text())

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.multiprocess import rerun_on_native_abort
+from tests.multiprocess import accelerate_launch_args, rerun_on_native_abort
 
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 SCRIPTS = [
@@ -77,7 +77,7 @@ def test_multi_gpu_check_fsdp2_compiled_on_cpu(tmp_path):
     # A compiled patched model under FSDP2 (accelerate's fully_shard, forced onto gloo): losses, parameters and
     # updates equal to one process, the whole head inside lm_head's call; aot_eager (no C++ compiler needed).
     config = BENCHMARKS.parent / "recipes" / "accelerate" / "fsdp2.yaml"
-    args = ["-m", "accelerate.commands.launch", "--config_file", str(config), "checks/multi_gpu_check.py"]
+    args = [*accelerate_launch_args(config), "checks/multi_gpu_check.py"]
     args += ["--cpu-fsdp", "--compile", "aot_eager", "--steps", "2", "--seq-len", "32", "--hidden", "64"]
     result = _run([*args, "--vocab", "512"], tmp_path, env_extra={"ACCELERATE_USE_CPU": "true"})
     assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
@@ -95,7 +95,7 @@ def test_multi_gpu_check_deepspeed_zero_on_cpu(stage, arch, tmp_path):
     # Two processes over gloo with DeepSpeed's CPU accelerator: losses, parameters and updates equal to one
     # process, the head weight whole inside lm_head's call, a rank with no valid label at step 2.
     config = BENCHMARKS.parent / "recipes" / "accelerate" / f"zero{stage}.yaml"
-    args = ["-m", "accelerate.commands.launch", "--config_file", str(config), "checks/multi_gpu_check.py"]
+    args = [*accelerate_launch_args(config), "checks/multi_gpu_check.py"]
     args += ["--arch", arch, "--steps", "3", "--seq-len", "32", "--hidden", "64", "--vocab", "512"]
     env_extra = {"PYTHONPATH": f"{BENCHMARKS.parent}{os.pathsep}{DEEPSPEED_SITE}", "DS_ACCELERATOR": "cpu"}
     result = rerun_on_native_abort(lambda: _run(args, tmp_path, env_extra=env_extra))

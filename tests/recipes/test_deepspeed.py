@@ -50,11 +50,10 @@ def reference_losses(tmp_path_factory: pytest.TempPathFactory) -> tuple[float, f
 def test_train_grad_accum_under_zero_config_on_cpu(
     stage: int, tmp_path: Path, reference_losses: tuple[float, float]
 ) -> None:
-    from tests.multiprocess import free_port
+    from tests.multiprocess import accelerate_launch_args
 
     config = RECIPES_DIR / "accelerate" / f"zero{stage}.yaml"
-    launch = ["-m", "accelerate.commands.launch", "--config_file", str(config), "--num_processes", "1"]
-    launch += ["--main_process_port", str(free_port())]
+    launch = [*accelerate_launch_args(config), "--num_processes", "1"]
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join([str(REPO), str(DEEPSPEED_SITE)]),
