@@ -387,7 +387,7 @@ def test_bf16_loss_is_not_limited_by_the_rounding_of_the_logits(backend, softcap
     # the op recomputes the target logit in fp32, which takes the loss to ~1e-5 even at this small
     # N (the residue is the rounding of the other logits inside the log-sum-exp, averaged over N).
     fused_errors, bf16_logit_errors = [], []
-    for seed in range(4):
+    for seed in range(2 if backend == "triton" else 4):  # the Triton interpreter takes ~15 s a problem on a CPU
         gen = torch.Generator().manual_seed(seed)
         weight = torch.randn(3000, 64, generator=gen) / 8
         labels = torch.randint(0, 3000, (96,), generator=gen)
