@@ -86,7 +86,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help="testing: raise torch.OutOfMemoryError for lengths above this (exercises the search on CPU)",
     )
-    parser.add_argument("--lengths", default=None, help="comma list of lengths to try instead of the search")
+    parser.add_argument(
+        "--lengths",
+        default=None,
+        help="comma list of lengths to try instead of the search (up to the first that runs out of memory)",
+    )
     parser.add_argument("--timed-steps", type=int, default=2, help="steps timed at the common length")
     parser.add_argument("--time-budget", type=float, default=420.0, help="seconds; later searches are skipped past it")
     parser.add_argument("--no-checkpointing", action="store_true", help="turn gradient checkpointing off")
@@ -303,9 +307,10 @@ def search(model, optimizer, dist: Dist, args: argparse.Namespace, vocab: int, l
             )
         return tried[length]["ok"]
 
-    if args.lengths:
-        for length in args.lengths:
-            attempt(length)
+    if args.lengths:  # ascending; longer ones are not tried once one runs out of memory
+        for length in sorted(args.lengths):
+            if not attempt(length):
+                break
     else:
         low, high = 0, None
         length = args.start

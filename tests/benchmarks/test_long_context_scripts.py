@@ -68,3 +68,13 @@ def test_long_context_cpu_smoke(tmp_path):
         assert found["longest"] == 256
         assert not found["trials"]["384"]["ok"] and found["trials"]["384"]["error"] == "out of memory"
         assert report["throughput"]["tiny"][setup]["tokens_per_s"] > 0
+
+
+def test_long_context_lengths_stop_at_the_first_out_of_memory(tmp_path):
+    args = ["benchmarks/long_context.py", "--cpu", "--setups", "lce_patch", "--fake-memory-limit", "300"]
+    args += ["--lengths", "512,128,384,256", "--timed-steps", "1", "--out", str(tmp_path / "lc.json")]
+    result = _run(args, tmp_path, timeout=300)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
+    found = json.loads((tmp_path / "lc.json").read_text())["results"]["tiny"]["lce_patch"]
+    assert sorted(found["trials"], key=int) == ["128", "256", "384"]
+    assert found["longest"] == 256 and not found["trials"]["384"]["ok"]
