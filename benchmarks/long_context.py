@@ -87,6 +87,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="testing: raise torch.OutOfMemoryError for lengths above this (exercises the search on CPU)",
     )
     parser.add_argument(
+        "--fake-timed-memory-limit",
+        type=int,
+        default=None,
+        help="testing: the same, in the timed steps only (exercises the shorter common length on CPU)",
+    )
+    parser.add_argument(
         "--lengths",
         default=None,
         help="comma list of lengths to try instead of the search (up to the first that runs out of memory)",
@@ -192,6 +198,7 @@ def _batch(length: int, vocab: int, device: torch.device) -> dict[str, torch.Ten
 
 
 FAKE_LIMIT: list[int | None] = [None]
+FAKE_TIMED_LIMIT: list[int | None] = [None]
 
 
 def train_step(model, optimizer, dist: Dist, length: int, vocab: int) -> None:
@@ -337,6 +344,8 @@ def timed(model, optimizer, dist: Dist, length: int, vocab: int, steps: int) -> 
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
         t0 = time.perf_counter()
+        if FAKE_TIMED_LIMIT[0] is not None and length > FAKE_TIMED_LIMIT[0]:
+            raise torch.OutOfMemoryError(f"--fake-timed-memory-limit {FAKE_TIMED_LIMIT[0]}")
         for _ in range(steps):
             train_step(model, optimizer, dist, length, vocab)
         if dist.device.type == "cuda":
@@ -358,8 +367,41 @@ def timed(model, optimizer, dist: Dist, length: int, vocab: int, steps: int) -> 
     }
 
 
+def time_common(
+    shape: str, results: dict, args: argparse.Namespace, dist: Dist, log, save, rows: dict[str, Any]
+) -> None:
+    """Tokens/s of every setup at the longest length all of them fit in the search; when one of them runs out of
+    memory over the timed steps there (a search trial is one step, the timed run several), every setup is timed
+    again at the next shorter length all of them fit, once."""
+    common = sorted(
+        {int(n) for n, t in results[args.setups[0]]["trials"].items() if t["ok"]}.intersection(
+            *({int(n) for n, t in results[s]["trials"].items() if t["ok"]} for s in args.setups[1:])
+        ),
+        reverse=True,
+    )
+    for length in common[:2]:
+        rows.clear()
+        for setup in args.setups:
+            model, optimizer, vocab = build(shape, setup, args, dist)
+            rows[setup] = timed(model, optimizer, dist, length, vocab, args.timed_steps)
+            log(
+                f"  {setup} at {length} tokens: {rows[setup]['tokens_per_s']} tokens/s, peak {rows[setup]['peak_gib']} GiB"
+            )
+            del model, optimizer
+            _free()
+            save()
+            if not rows[setup]["ok"]:
+                log(f"  {setup} ran out of memory over the timed steps at {length} tokens")
+                break
+        if len(rows) == len(args.setups) and all(row["ok"] for row in rows.values()):
+            break
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    # Long single sequences fragment the caching allocator: without expandable segments a length that fits one
+    # step can run out of memory on the next. Read at the first CUDA allocation, so set here; a caller's setting wins.
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     if not args.cpu and not torch.cuda.is_available():
         raise SystemExit("long_context: no CUDA device; --cpu runs the tiny smoke case")
     if "liger" in args.setups:
@@ -369,6 +411,7 @@ def main(argv: list[str] | None = None) -> int:
             args.setups = [s for s in args.setups if s != "liger"]
             print("long_context: liger_kernel not importable, its setup skipped", flush=True)
     FAKE_LIMIT[0] = args.fake_memory_limit
+    FAKE_TIMED_LIMIT[0] = args.fake_timed_memory_limit
     dist = Dist(args)
     t_start = time.time()
 
@@ -378,7 +421,13 @@ def main(argv: list[str] | None = None) -> int:
 
     out = Path(args.out)
     path = out if out.suffix == ".json" else out / f"long_context_{args.parallel}_w{dist.world}.json"
-    report: dict[str, Any] = {"args": vars(args), "world_size": dist.world, "parallel": args.parallel, "results": {}}
+    report: dict[str, Any] = {
+        "args": vars(args),
+        "world_size": dist.world,
+        "parallel": args.parallel,
+        "cuda_alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
+        "results": {},
+    }
     if dist.rank == 0:
         report["env"] = env_info()
 
@@ -403,16 +452,8 @@ def main(argv: list[str] | None = None) -> int:
             save()
         fits = [r["longest"] for r in results.values() if "longest" in r and r["longest"]]
         if len(fits) == len(args.setups) and time.time() - t_start < args.time_budget + 60:
-            common = min(fits)
-            report.setdefault("throughput", {})[shape] = {}
-            for setup in args.setups:
-                model, optimizer, vocab = build(shape, setup, args, dist)
-                row = timed(model, optimizer, dist, common, vocab, args.timed_steps)
-                report["throughput"][shape][setup] = row
-                log(f"  {setup} at {common} tokens: {row['tokens_per_s']} tokens/s, peak {row['peak_gib']} GiB")
-                del model, optimizer
-                _free()
-                save()
+            rows = report.setdefault("throughput", {}).setdefault(shape, {})
+            time_common(shape, results, args, dist, log, save, rows)
     save()
     if dist.rank == 0:
         print(f"wrote {path}", flush=True)

@@ -78,3 +78,13 @@ def test_long_context_lengths_stop_at_the_first_out_of_memory(tmp_path):
     found = json.loads((tmp_path / "lc.json").read_text())["results"]["tiny"]["lce_patch"]
     assert sorted(found["trials"], key=int) == ["128", "256", "384"]
     assert found["longest"] == 256 and not found["trials"]["384"]["ok"]
+
+
+def test_long_context_times_a_shorter_common_length_when_the_longest_fails_over_several_steps(tmp_path):
+    args = ["benchmarks/long_context.py", "--cpu", "--setups", "unpatched,lce_patch", "--lengths", "128,256"]
+    args += ["--fake-timed-memory-limit", "200", "--timed-steps", "1", "--out", str(tmp_path / "lc.json")]
+    result = _run(args, tmp_path, timeout=300)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
+    rows = json.loads((tmp_path / "lc.json").read_text())["throughput"]["tiny"]
+    for setup in ("unpatched", "lce_patch"):
+        assert rows[setup]["length"] == 128 and rows[setup]["ok"] and rows[setup]["tokens_per_s"] > 0
