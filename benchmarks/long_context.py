@@ -17,7 +17,9 @@ Ulysses:                ``torchrun --nproc_per_node 4 benchmarks/long_context.py
     ranks instead of ZeRO-3, so that one code path times both)
 Keep NVLink multicast off on shared hosts (NCCL_NVLS_ENABLE=0). CPU smoke run (tiny shapes): ``--cpu``.
 
-Lengths under CP / Ulysses are the whole sequence's (all ranks together). Progress is printed as trials finish and
+Lengths under CP / Ulysses are the whole sequence's (all ranks together). ``PYTORCH_CUDA_ALLOC_CONF`` is set to
+``expandable_segments:True`` unless the caller sets it: on the fragmented default allocator a length that fitted one
+step ran out of memory over the timed steps. Progress is printed as trials finish and
 the JSON (``$OUT`` or runs/long_context) is rewritten after each one, so a run cut short keeps what it found.
 """
 
