@@ -372,15 +372,13 @@ def timed(model, optimizer, dist: Dist, length: int, vocab: int, steps: int) -> 
 def time_common(
     shape: str, results: dict, args: argparse.Namespace, dist: Dist, log, save, rows: dict[str, Any]
 ) -> None:
-    """Tokens/s of every setup at the longest length all of them fit in the search; when one of them runs out of
-    memory over the timed steps there (a search trial is one step, the timed run several), every setup is timed
-    again at the next shorter length all of them fit, once."""
-    common = sorted(
-        {int(n) for n, t in results[args.setups[0]]["trials"].items() if t["ok"]}.intersection(
-            *({int(n) for n, t in results[s]["trials"].items() if t["ok"]} for s in args.setups[1:])
-        ),
-        reverse=True,
-    )
+    """Tokens/s of every setup at the shortest of their longest lengths (each fits it, or a longer one); when one of
+    them runs out of memory over the timed steps there (a search trial is one step, the timed run several), every
+    setup is timed again, once, at the next shorter length all of them fitted in the search."""
+    first = min(results[setup]["longest"] for setup in args.setups)
+    fitted = [{int(n) for n, t in results[setup]["trials"].items() if t["ok"]} for setup in args.setups]
+    shorter = sorted((n for n in set.intersection(*fitted) if n < first), reverse=True)
+    common = [first, *shorter]
     for length in common[:2]:
         rows.clear()
         for setup in args.setups:
