@@ -201,10 +201,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--layers must be >= 1")
     if not 0.0 <= args.prompt_fraction < 0.95:
         parser.error("--prompt-fraction must be in [0, 0.95)")
-    zero3 = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true" and (
-        os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE") == "3"
-    )
-    if zero3 and not args.cpu and (len(args.methods) > 1 or args.max_batch):
+    if deepspeed_stage() == "3" and not args.cpu and (len(args.methods) > 1 or args.max_batch):
         parser.error(
             "under DeepSpeed ZeRO-3 run one method per launch (--methods unpatched, then --methods lce_patch, ...) "
             "and no --max-batch: DeepSpeed 0.19 keeps an engine's model and optimizer alive for the process after "
@@ -266,13 +263,21 @@ def environment() -> dict[str, Any]:
     }
 
 
+def deepspeed_stage() -> str | None:
+    """The ZeRO stage accelerate launched this process under ("?" if it names none), or None without DeepSpeed."""
+    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() != "true":
+        return None
+    return os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE", "?")
+
+
 def engine_name(args: argparse.Namespace, world: int) -> str:
     """What the launch asks for: an accelerate config's engine, or --tp's mesh."""
     if args.tp > 1:
         fsdp = world // args.tp
         return f"tp{args.tp}" + (f"xfsdp{fsdp}" if fsdp > 1 else "")
-    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":
-        return f"zero{os.environ.get('ACCELERATE_DEEPSPEED_ZERO_STAGE', '?')}"
+    stage = deepspeed_stage()
+    if stage is not None:
+        return f"zero{stage}"
     if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true":
         return f"fsdp{os.environ.get('FSDP_VERSION', '1')}"
     return "ddp" if world > 1 else "single"
@@ -539,7 +544,7 @@ def make_trainer(method: str, model, args: argparse.Namespace, rows, batch: int,
     callbacks = [clock.callback]
     if "lce_patch" in method:
         callbacks.append(FusedLCECallback())
-    deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
+    deepspeed = deepspeed_stage() is not None
     common: dict[str, Any] = dict(
         output_dir=os.path.join(tempfile.gettempdir(), "multi_gpu_train"),
         max_steps=max_steps,
@@ -620,7 +625,7 @@ class Run:
 
         self.args = args
         self.t0 = time.time()
-        deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
+        deepspeed = deepspeed_stage() is not None
         if args.cpu and deepspeed:  # DeepSpeed on CPU processes (DS_ACCELERATOR=cpu): accelerate picks no backend
             self.state = PartialState(backend="gloo")
         else:
