@@ -261,6 +261,10 @@ def train(args: argparse.Namespace, served: bool, world: int, cpu: bool) -> tupl
         processing_class=build_tokenizer(args.vocab),
         callbacks=callbacks,
     )
+    if trainer.is_fsdp_enabled and not cpu:
+        # TRL 1.16 prepares the teacher with accelerate's prepare_model(evaluation_mode=True), which under FSDP
+        # neither wraps nor places it: a teacher built on the CPU stays there. Users put it on their GPU.
+        trainer.teacher_model.to(trainer.accelerator.device)
     seen: dict[str, Any] = {"losses": [], "completions": [], "valid_tokens": []}
     compute_loss = trainer.compute_loss
 
@@ -290,10 +294,20 @@ def run_reference(args: argparse.Namespace) -> int:
     return 0
 
 
+def visible_device(local_rank: int) -> str:
+    """The ``CUDA_VISIBLE_DEVICES`` entry of this process's GPU (``local_rank``-th of those visible)."""
+    visible = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    return visible[local_rank] if local_rank < len(visible) else str(local_rank)
+
+
 def spawn_reference(args: argparse.Namespace, served: bool, argv: list[str], folder: Path) -> dict[str, Any]:
     """Run a reference in a fresh process without the launcher's environment; its record."""
     path = folder / f"reference_{'served' if served else 'trl'}.pt"
     env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_NAMES and not k.startswith(_LAUNCH_PREFIXES)}
+    if torch.cuda.is_available():
+        # This rank's GPU alone: with several visible, a one-process Trainer wraps the model in nn.DataParallel,
+        # which TRL's DistillationTrainer refuses.
+        env["CUDA_VISIBLE_DEVICES"] = visible_device(int(os.environ.get("LOCAL_RANK", "0")))
     command = [sys.executable, str(Path(__file__).resolve()), *argv, "--role", "reference"]
     command += ["--served", str(int(served)), "--out", str(path)]
     result = subprocess.run(command, env=env, capture_output=True, text=True)
