@@ -208,6 +208,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             "it is destroyed (its module-level forward stack, a class-level cache and per-module autograd classes "
             "hold them), so the next method would start with ~30 GiB a rank taken (8B model)"
         )
+    pure_tp = args.tp > 1 and args.tp == int(os.environ.get("WORLD_SIZE", "1"))
+    if pure_tp and not args.cpu and (len(args.methods) > 1 or args.max_batch):
+        parser.error(
+            f"under tensor parallelism alone (--tp {args.tp} on {args.tp} processes) run one method per launch "
+            "(--methods unpatched, then --methods lce_patch, ...) and no --max-batch: on GPUs each method's model and "
+            "optimizer stayed allocated after it ended (4 x H100, transformers 5.24: 11 GiB a rank per 8B method), "
+            "so the next method would start with that memory taken and time a smaller free pool"
+        )
     if args.cpu and args.seq_len == 8192:
         args.seq_len = 64  # the default length is a GPU length
     return args

@@ -60,7 +60,14 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_common import rel_err  # noqa: E402
-from multi_gpu_check import CALLS, compare_params, full_state_dict, install_call_counter, mode_of  # noqa: E402
+from multi_gpu_check import (  # noqa: E402
+    CALLS,
+    compare_params,
+    full_state_dict,
+    install_call_counter,
+    mode_of,
+    update_failures,
+)
 
 import lce_patch  # noqa: E402
 from lce_patch import apply_fused_lce  # noqa: E402
@@ -535,21 +542,7 @@ def main(argv: list[str] | None = None) -> int:
             param_rows[against] = rows
             check(f"parameters gathered vs {against}", bool(rows) and not missing, f"{len(rows)}, missing {missing}")
             if rows:
-                worst = max(rows, key=lambda p: p["update_rel_l2"])
-                # A tensor whose update is within --rtol-update, or whose final weights differ from the reference's
-                # by at most two of the weight's own roundings (an update too small for the weights to resolve: a
-                # norm weight of 1.0 moved by 1e-7 has no third significant digit left to compare)
-                failing = [p for p in rows if p["update_rel_l2"] > args.rtol_update and p["max_ulps"] > 2]
-                shown = failing[0] if failing else worst
-                detail = (
-                    f"worst rel L2 {worst['update_rel_l2']:.2e} ({worst['name']}, {worst['max_ulps']:.1f} ulp); "
-                    f"{len(failing)} tensor(s) past {args.rtol_update:g} and 2 ulp"
-                    + (
-                        f", e.g. {shown['name']} {shown['update_rel_l2']:.2e} / {shown['max_ulps']:.1f} ulp"
-                        if failing
-                        else ""
-                    )
-                )
+                failing, detail = update_failures(rows, args.rtol_update)
                 if args.dtype == "bf16":
                     detail += " (reported, not checked at bf16: --dtype fp32 checks the updates)"
                 check(f"updates (gradients) vs {against}", args.dtype == "bf16" or not failing, detail)

@@ -499,6 +499,22 @@ def compare_params(dist: dict, ref: dict, init: dict) -> tuple[list[dict[str, An
     return rows, missing
 
 
+def update_failures(rows: list[dict[str, Any]], rtol_update: float) -> tuple[list[dict[str, Any]], str]:
+    """The rows of :func:`compare_params` whose update is off, and a one-line summary. A tensor passes when its
+    update is within ``rtol_update`` (relative L2) or when its final weights are within two of the weights' own
+    roundings of the reference's: an update too small for the weights to resolve (a norm weight of 1.0 moved by
+    1e-7) has no third significant digit left to compare."""
+    failing = [p for p in rows if p["update_rel_l2"] > rtol_update and p["max_ulps"] > 2]
+    worst = max(rows, key=lambda p: p["update_rel_l2"])
+    detail = (
+        f"worst rel L2 {worst['update_rel_l2']:.2e} ({worst['name']}, {worst['max_ulps']:.1f} ulp); "
+        f"{len(failing)} tensor(s) past {rtol_update:g} and 2 ulp"
+    )
+    if failing:
+        detail += f", e.g. {failing[0]['name']} {failing[0]['update_rel_l2']:.2e} / {failing[0]['max_ulps']:.1f} ulp"
+    return failing, detail
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     set_exact_fp32()
