@@ -44,7 +44,9 @@ whether any of them failed. An out-of-memory error on some ranks only can leave 
 collective: then the agreement times out, the JSON written so far is kept, and the run ends (exit status 3) rather
 than hang; so the search runs last. A method that starts with GPU memory an earlier method of the launch left
 allocated says so in its row. Under DeepSpeed ZeRO-3 on GPUs the script takes one method per launch: DeepSpeed
-0.19.8 keeps a destroyed engine's model and optimizer alive for the process (~30 GiB a rank for an 8B model).
+0.19.8 keeps a destroyed engine's model and optimizer alive for the process (~30 GiB a rank for an 8B model). So it
+does under tensor parallelism alone (``--tp`` equal to the number of processes): there each method's model and
+optimizer stayed allocated after it ended (11 GiB a rank per 8B method at TP 4; TP 2 x FSDP2 2 released them).
 
 Output: JSON to ``--out`` (a directory, default ``$OUT``; one file per launch, rewritten after every method) with
 device, versions, date, commit, engine, world size, model, layers, sequence length and every method's numbers;

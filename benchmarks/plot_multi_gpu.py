@@ -21,8 +21,15 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_RESULTS = tuple(
-    REPO / "benchmarks" / "results" / f"2026-11-27_4xh100_multi_gpu_train_fsdp2_{cell}.json"
-    for cell in ("llama-3.1-8b_8192", "qwen2.5-7b_8192", "gemma-2-9b_8192", "llama-3.1-8b_32768")
+    REPO / "benchmarks" / "results" / f"2026-11-27_4xh100_multi_gpu_train_{cell}.json"
+    for cell in (
+        "fsdp2_llama-3.1-8b_8192",
+        "fsdp2_qwen2.5-7b_8192",
+        "fsdp2_gemma-2-9b_8192",
+        "fsdp2_llama-3.1-8b_32768",
+        "fsdp2_llama-3.1-8b-lora_8192",
+        "tp2xfsdp2_llama-3.1-8b_8192",
+    )
 )
 DEFAULT_OUT = REPO / "docs" / "assets" / "multi-gpu-benchmark.png"
 # Methods in the order drawn, with their labels; a method not named here follows them under its own name.

@@ -234,3 +234,16 @@ def test_zero3_takes_one_method_per_launch(monkeypatch):
     assert module.parse_args(["--cpu", "--methods", "unpatched,lce_patch"]).methods == ["unpatched", "lce_patch"]
     monkeypatch.setenv("ACCELERATE_DEEPSPEED_ZERO_STAGE", "2")
     assert len(module.parse_args(["--methods", "unpatched,lce_patch"]).methods) == 2
+
+
+def test_tensor_parallel_alone_takes_one_method_per_launch(monkeypatch):
+    module = _load()
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    with pytest.raises(SystemExit):
+        module.parse_args(["--tp", "4", "--methods", "unpatched,lce_patch"])
+    with pytest.raises(SystemExit):
+        module.parse_args(["--tp", "4", "--methods", "lce_patch", "--max-batch", "8"])
+    assert module.parse_args(["--tp", "4", "--methods", "lce_patch"]).methods == ["lce_patch"]
+    # TP 2 x FSDP2 2 released each method's memory; CPU processes are the smoke test
+    assert len(module.parse_args(["--tp", "2", "--methods", "unpatched,lce_patch"]).methods) == 2
+    assert len(module.parse_args(["--cpu", "--tp", "4", "--methods", "unpatched,lce_patch"]).methods) == 2
