@@ -5,7 +5,7 @@ an engine, several loss setups, the "methods") and draws a panel per launch, a b
 the bar labelled with its peak GiB per GPU; a method that did not run in a launch (or ran out of memory) is said in
 words where its bar would be. Beside the chart it writes the same numbers as a Markdown table (same name, ``.md``).
 The documentation's chart and table (``docs/assets/multi-gpu-benchmark.png``, ``docs/assets/multi-gpu-benchmark.md``)
-are this script's output on the committed four-H100 FSDP2 results:
+are this script's output on the committed four-H100 runs (FSDP2, and TP 2 x FSDP2 2):
 
     python benchmarks/plot_multi_gpu.py                     # the default results -> docs/assets/multi-gpu-benchmark.{png,md}
     python benchmarks/plot_multi_gpu.py --results A.json B.json --out chart.png
@@ -348,7 +348,7 @@ def main() -> None:
         nargs="+",
         default=list(DEFAULT_RESULTS),
         help="multi_gpu_train.py JSON files, a panel and a column each, in this order (default: the committed "
-        "four-H100 FSDP2 runs)",
+        "four-H100 FSDP2 and TP 2 x FSDP2 2 runs)",
     )
     parser.add_argument(
         "--out", type=Path, default=DEFAULT_OUT, help="PNG to write; the table goes beside it (default: %(default)s)"
