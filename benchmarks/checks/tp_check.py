@@ -28,7 +28,9 @@ Timing: ``--warmup`` steps per variant (default 3; compilation and autotuning st
 that drift over the run reaches both alike, each bracketed by device synchronisations; the median, min, p10,
 p90 and max per variant and rank. ``--tokens`` takes several counts (``--sweep``: 4096 8192 16384 32768),
 run one after the other on the same loaded model. ``--profile DIR`` writes a torch.profiler trace (Chrome
-JSON) and a ``key_averages`` table of one unpatched and one patched step at the first token count, on rank 0.
+JSON) and a ``key_averages`` table of one unpatched and one patched step at the first token count, on rank 0,
+and reports each profiled step's host span, GPU busy time, kernel launches and synchronisations (``step_work``):
+a step whose host span is well above its GPU busy time is bound by the host, and there the launches decide.
 
 ``--same-device`` puts every rank on cuda:0 with the gloo backend: a check of the values on one GPU
 (its times and memory mean nothing). ``--cpu`` runs both parts on a tiny shape in fp32 on CPU processes over
@@ -300,13 +302,39 @@ def timing_summary(times: list[float]) -> dict:
     }
 
 
-def profile_step(args, step, variant: str, tokens: int, rank: int, cuda: bool) -> None:
-    """One step under torch.profiler on rank 0 (the other ranks step alongside): Chrome trace and op table."""
+_LAUNCHES = {"cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx"}
+_SYNCS = {"cudaDeviceSynchronize", "cudaStreamSynchronize", "cudaEventSynchronize"}
+
+
+def step_work(trace: dict) -> dict:
+    """What one profiled step cost the host and the GPU, from its Chrome trace: the host's span (first to last
+    operator, ms), operators, kernel launches, GPU busy time (kernels' durations summed, ms) and host-device
+    synchronisations. A step whose host span is well above its GPU busy time is bound by the host: there the
+    kernel launches, not the FLOPs, set its time."""
+    events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X"]
+    ops = [e for e in events if e.get("cat") == "cpu_op"]
+    runtime = [e for e in events if e.get("cat") in ("cuda_runtime", "cuda_driver")]
+    kernels = [e for e in events if e.get("cat") == "kernel"]
+    start = min((e["ts"] for e in ops), default=0.0)
+    end = max((e["ts"] + e["dur"] for e in ops), default=0.0)
+    return {
+        "host_ms": (end - start) / 1e3,
+        "cpu_ops": len(ops),
+        "launches": sum(e["name"] in _LAUNCHES for e in runtime),
+        "gpu_busy_ms": sum(e["dur"] for e in kernels) / 1e3,
+        # inside the step (the profiler's own synchronisation after it is not the step's)
+        "syncs": sum(e["name"] in _SYNCS and start <= e["ts"] <= end for e in runtime),
+    }
+
+
+def profile_step(args, step, variant: str, tokens: int, rank: int, cuda: bool) -> dict | None:
+    """One step under torch.profiler on rank 0 (the other ranks step alongside): Chrome trace, op table, and
+    :func:`step_work`'s summary (returned; None on the other ranks)."""
     from torch.profiler import ProfilerActivity, profile
 
     if rank != 0:
         step()
-        return
+        return None
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with profile(activities=activities, record_shapes=True) as prof:
         step()
@@ -322,6 +350,7 @@ def profile_step(args, step, variant: str, tokens: int, rank: int, cuda: bool) -
     except (AttributeError, KeyError):  # torch versions that name the device column cuda_*
         table = prof.key_averages().table(sort_by="self_cuda_time_total" if cuda else sort_by, row_limit=60)
     (out / f"{stem}.txt").write_text(table)
+    return step_work(json.loads((out / f"{stem}.json").read_text()))
 
 
 def layout_name(args) -> str:
@@ -357,14 +386,16 @@ def measure(args, model, step, variant: str, tokens: int, rank: int, device: tor
     model.zero_grad(set_to_none=True)
     for _ in range(args.warmup - 1):
         step()
+    work = None
     if args.profile and tokens == args.tokens[0]:
-        profile_step(args, step, variant, tokens, rank, cuda)
+        work = profile_step(args, step, variant, tokens, rank, cuda)
     model.zero_grad(set_to_none=True)
     return {
         "loss": float(loss),
         "grads": grads,
         "op_calls": len(op_calls.calls),
         "op_weight": op_calls.calls[0] if op_calls.calls else None,
+        **({"profiled_step": work} if work is not None else {}),
     }
 
 
@@ -530,6 +561,8 @@ def summarize_model(args, tokens: int, ranks: list[dict], loss_tol: float, grad_
             "slowest_rank": slowest["rank"],
             "peak_mib": max(r[variant]["peak_mib"] for r in ranks),
         }
+        if "profiled_step" in ranks[0][variant]:
+            row[variant]["profiled_step_rank0"] = ranks[0][variant]["profiled_step"]
     # The unpatched head may run out of memory at long inputs (its [N, V] logits on every rank): then only the
     # patched run is checked, against one process. The patched one must run.
     ok = "oom" not in row["patched"]
@@ -577,6 +610,14 @@ def print_model_table(report: dict) -> None:
                 f"{v['ms_p10']:>8.2f}-{v['ms_p90']:<8.2f} {v['ms_min']:>8.2f}-{v['ms_max']:<8.2f} "
                 f"{v['peak_mib']:>8.0f} {v['loss']:>10.5f}  " + ("-" if ref is None else f"{ref:.2e}")
             )
+        for variant in ("unpatched", "patched"):
+            work = row[variant].get("profiled_step_rank0")
+            if work:
+                print(
+                    f"{'':>7} {variant:>9} profiled step (rank 0): host {work['host_ms']:.1f} ms, GPU busy "
+                    f"{work['gpu_busy_ms']:.1f} ms, {work['launches']} kernel launches, {work['cpu_ops']} operators, "
+                    f"{work['syncs']} synchronisations"
+                )
         if "oom" in row["unpatched"] or "oom" in row["patched"]:
             print(f"{'':>7} {'ok' if row['ok'] else 'FAIL'}")
             continue

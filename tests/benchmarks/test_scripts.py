@@ -107,11 +107,46 @@ def test_multi_gpu_check_deepspeed_zero_on_cpu(stage, arch, tmp_path):
 # (part, arch, processes, extra arguments, the layout in the PASS line and the JSON's name)
 TP_CHECK_CASES = [
     ("op", "gemma2", 2, [], ""),
-    ("model", "llama", 2, ["--api", "tp_plan"], "tp2_tpplan"),  # the older spelling, tp_plan="auto"
+    ("model", "llama", 2, ["--api", "tp_plan", "--profile"], "tp2_tpplan"),  # the older spelling, tp_plan="auto"
     ("model", "gemma2", 2, ["--tokens", "128", "256"], "tp2_fsdp1"),  # DistributedConfig(tp_size=2), two counts
 ]
 # DistributedConfig(fsdp_size=2) and (tp_size=2, fsdp_size=2) run the same loading and step; their values against
 # one process are tests/models/test_distributed_config.py's, so the script is launched with them on the GPU only.
+
+
+def test_tp_check_step_work_reads_a_trace():
+    # The profiled step's summary: the host's span over the operators, launches and synchronisations inside it
+    # (not the profiler's own after it), the kernels' time summed.
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("tp_check", BENCHMARKS / "checks" / "tp_check.py")
+    tp_check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tp_check)
+
+    def event(cat: str, name: str, ts: float, dur: float) -> dict:
+        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur}
+
+    trace = {
+        "traceEvents": [
+            event("cpu_op", "aten::mm", 1000.0, 500.0),
+            event("cpu_op", "aten::add", 3000.0, 1000.0),  # the host span: 1000 to 4000 us
+            event("cuda_runtime", "cudaLaunchKernel", 1100.0, 5.0),
+            event("cuda_driver", "cuLaunchKernelEx", 3100.0, 5.0),
+            event("cuda_runtime", "cudaEventSynchronize", 2000.0, 10.0),
+            event("cuda_runtime", "cudaDeviceSynchronize", 4500.0, 10.0),  # the profiler's, after the step
+            event("kernel", "gemm", 1200.0, 700.0),
+            event("kernel", "add", 3200.0, 300.0),
+            {"ph": "i", "cat": "kernel", "name": "marker", "ts": 0.0},
+        ]
+    }
+    assert tp_check.step_work(trace) == {
+        "host_ms": 3.0,
+        "cpu_ops": 2,
+        "launches": 2,
+        "gpu_busy_ms": 1.0,
+        "syncs": 1,
+    }
+    assert tp_check.step_work({"traceEvents": []})["host_ms"] == 0.0
 
 
 @pytest.mark.slow
@@ -125,7 +160,10 @@ def test_tp_check_on_cpu(part, arch, processes, extra, layout, tmp_path):
     def launch_check() -> subprocess.CompletedProcess:
         launch = ["-m", "torch.distributed.run", "--nproc_per_node", str(processes), "--master_port", str(free_port())]
         args = ["checks/tp_check.py", "--cpu", "--part", part, "--arch", arch, "--warmup", "2", "--steps", "3"]
-        return _run([*launch, *args, *extra], tmp_path)
+        options = []
+        for option in extra:  # --profile writes into this test's folder
+            options += [option, str(tmp_path / "profile")] if option == "--profile" else [option]
+        return _run([*launch, *args, *options], tmp_path)
 
     result = rerun_on_native_abort(launch_check)
     assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
@@ -140,6 +178,12 @@ def test_tp_check_on_cpu(part, arch, processes, extra, layout, tmp_path):
         for run in report["runs"]:
             assert run["reference"]["patched_rel"] < 1e-5 and run["unpatched"]["steps"] == 3
             assert run["unpatched"]["ms_min"] <= run["unpatched"]["ms_median"] <= run["unpatched"]["ms_max"]
+    if "--profile" in extra:  # a trace, a table and the host / GPU summary of one step per variant, on rank 0
+        for variant in ("unpatched", "patched"):
+            work = report["runs"][0][variant]["profiled_step_rank0"]
+            assert work["host_ms"] > 0 and work["cpu_ops"] > 0 and work["launches"] == work["gpu_busy_ms"] == 0
+            assert len(list((tmp_path / "profile").glob(f"tp_check_{arch}_{layout}_*_{variant}_rank0.*"))) == 2
+        assert "kernel launches" in result.stdout
 
 
 @pytest.mark.slow
