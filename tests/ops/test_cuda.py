@@ -83,22 +83,35 @@ def test_no_host_sync_on_the_cuda_path():
         torch.cuda.set_sync_debug_mode("default")
 
 
-def test_out_of_range_label_stops_with_a_readable_device_assert():
+@pytest.mark.parametrize(
+    "bad_input, message",
+    [
+        ("labels[5] = 100", "outside [0, 100)"),
+        # a count above the labels' (the rows it would select past them are filled in range, never read past)
+        ("kwargs['num_valid_tokens'] = int((labels != -100).sum()) + 7", "num_valid_tokens differs"),
+        ("kwargs['num_valid_tokens'] = int((labels != -100).sum()) - 1", "num_valid_tokens differs"),
+        ("kwargs['num_items_in_batch'] = torch.tensor(-4.0, device='cuda')", "num_items_in_batch must be finite"),
+    ],
+    ids=["label", "count_above", "count_below", "num_items"],
+)
+def test_bad_values_stop_with_a_readable_device_assert(bad_input, message):
     script = textwrap.dedent(
-        """
+        f"""
         import torch
         from lce_patch import fused_linear_cross_entropy
         h = torch.randn(64, 32, device="cuda", requires_grad=True)
         w = torch.randn(100, 32, device="cuda", requires_grad=True)
         labels = torch.randint(0, 100, (64,), device="cuda")
-        labels[5] = 100
-        fused_linear_cross_entropy(h, w, labels).backward()
+        labels[::3] = -100
+        kwargs = {{}}
+        {bad_input}
+        fused_linear_cross_entropy(h, w, labels, **kwargs).backward()
         torch.cuda.synchronize()
         """
     )
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert result.returncode != 0
-    assert "outside [0, 100)" in result.stderr or "device-side assert" in result.stderr, result.stderr[-2000:]
+    assert message in result.stderr or "device-side assert" in result.stderr, result.stderr[-2000:]
 
 
 @pytest.mark.parametrize("dtype, atol", [(torch.float32, 1e-4), (torch.bfloat16, 5e-2)])

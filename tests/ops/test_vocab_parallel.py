@@ -255,11 +255,13 @@ def test_dtensor_weight_and_sequence_parallel_hidden():
 )
 @pytest.mark.parametrize("world_size", [1, 3])
 def test_fused_shard_steps_equal_torch(transform, world_size):
-    """The one-launch label mapping, block packing and merge (vocab_parallel_kernels.py) against their torch
-    forms on fresh random statistics: labels owned, owned by another shard, and ignored; a row whose every
-    part is -inf; fp32 throughout (the kernels' only dtype), so the two agree to fp32 rounding."""
+    """The one-launch block packing and merge (vocab_parallel_kernels.py) against their torch forms on fresh
+    random statistics: labels owned, owned by another shard, and ignored (their shard ids as the op's label
+    launch makes them, tested in test_labels.py); a row whose every part is -inf; fp32 throughout (the
+    kernels' only dtype), so the two agree to fp32 rounding."""
+    from lce_patch.ops.core.labels import LabelShard, shard_ids
     from lce_patch.ops.linear_cross_entropy.rows import LogitTransform
-    from lce_patch.ops.linear_cross_entropy.vocab_parallel import merge_blocks, pack_block, shard_labels
+    from lce_patch.ops.linear_cross_entropy.vocab_parallel import merge_blocks, pack_block
 
     gen = torch.Generator().manual_seed(world_size)
     rows, local_vocab, total = 37, 11, 40
@@ -267,10 +269,7 @@ def test_fused_shard_steps_equal_torch(transform, world_size):
     ignore = options.ignore_index
     labels = torch.randint(0, total, (rows,), generator=gen)
     labels[::5] = ignore
-    shard = VocabShard(start=13, total=total)
-    fused_ids = shard_labels(on("triton", labels), shard, local_vocab, ignore, use_triton=True).cpu()
-    torch_ids = shard_labels(labels, shard, local_vocab, ignore, use_triton=False)
-    assert torch.equal(fused_ids, torch_ids)
+    torch_ids = shard_ids(labels, LabelShard(start=13, rows=local_vocab), ignore)
     assert ((torch_ids >= 0) & (torch_ids < local_vocab)).any() and (torch_ids == ignore).any()
 
     block = torch.randn(4, rows, generator=gen) * 3

@@ -45,13 +45,14 @@ from typing import NamedTuple
 import torch
 
 from ..core.backend import stats_dtype
-from ..core.checks import check_labels, check_weights, selected_rows
+from ..core.checks import check_weights
 from ..core.chunking import buffer_rows, resolve_chunks
 from ..core.grads import GradAccumulator, LowRank, fp32_output_gemm_available, logits_into
+from ..core.labels import LabelShard, prepare_labels
 from ..core.reduction import loss_scale
 from .options import OP_NAME, CrossEntropyOptions
 from .rows import ClassSmoothing, RowOutputs, chunk_grad, chunk_stats, target_logits, unnormalized_grad_applies
-from .vocab_parallel import ShardRowPass, all_reduce_sum, shard_labels
+from .vocab_parallel import ShardRowPass, all_reduce_sum
 
 
 def _gather_buffer(
@@ -243,22 +244,39 @@ def _chunked_forward(
     use_triton, shard = options.use_triton, options.shard
     labels = labels.contiguous()  # the row kernels index labels by row
     vocab_size = weight.shape[0]
-    check_labels(labels, vocab_size if shard is None else shard.total, options.ignore_index, OP_NAME)
-    valid = labels != options.ignore_index
-    row_index = None
-    if options.selects_rows:
-        row_index = selected_rows(valid, options.num_valid_tokens, OP_NAME)
     acc_dtype = stats_dtype(hidden.dtype)
+    # Checked, counted, selected and (for a shard) renumbered in one pass (one launch on Triton). With class
+    # weights "mean" divides by their sum, taken below.
+    prepared = prepare_labels(
+        labels,
+        vocab_size=vocab_size if shard is None else shard.total,
+        ignore_index=options.ignore_index,
+        select=options.selects_rows,
+        num_valid_tokens=options.num_valid_tokens,
+        reduction=options.reduction if options.scalar and class_weights is None else None,
+        num_items=num_items if class_weights is None else None,
+        scale_dtype=acc_dtype,
+        shard=LabelShard(shard.start, vocab_size) if shard is not None else None,
+        use_triton=use_triton,
+        op_name=OP_NAME,
+        none_counted="every label is ignored",
+        counted="valid labels",
+    )
+    row_index = prepared.row_index
+    valid = None
+    if token_weights is not None or class_weights is not None or options.want.lse:
+        valid = labels != options.ignore_index
     row_weight, weight_sum, class_smoothing = _row_weights(
         labels, valid, token_weights, class_weights, acc_dtype, options
     )
-    reduce_scale = _reduce_scale(options.reduction, valid.sum(), num_items, acc_dtype, weight_sum)
-    if shard is not None:  # from here on, labels are ids of the local shard (vocab_parallel.py)
-        labels = shard_labels(labels, shard, vocab_size, options.ignore_index, use_triton)
+    reduce_scale = prepared.scale
+    if class_weights is not None:
+        reduce_scale = _reduce_scale(options.reduction, prepared.num_valid, num_items, acc_dtype, weight_sum)
+    labels = prepared.labels  # from here on, with a shard, ids of the local shard (vocab_parallel.py)
 
     total_rows = hidden.shape[0]
     num_rows = total_rows if row_index is None else row_index.shape[0]
-    row_labels = labels if row_index is None else labels.index_select(0, row_index)
+    row_labels = prepared.row_labels
     device = hidden.device
     want_entropy, want_top1, want_mean_logit, want_log_sum_sq, want_lse, want_predicted = options.want
     any_grad = options.any_grad

@@ -144,7 +144,7 @@ def _run_chunked(
     backend, which inputs need gradients), then runs the chunked op: the autograd Function in eager mode, the
     custom operator under ``torch.compile`` (see custom_op.py). Returns (loss, entropy, is_top1, mean_logits,
     log_sum_sq, lse, predicted, label_mask), each shaped like ``labels`` (the loss 0-d when scalar), None where not
-    wanted."""
+    wanted (the label mask only per-token outputs and the token accuracy want)."""
     check_inputs(hidden, weight, bias, labels)
     hidden, weight, bias = compute_dtype(hidden, weight, bias)
     low_rank = low_rank_inputs(low_rank_hidden, low_rank_weight, hidden, weight)
@@ -186,7 +186,10 @@ def _run_chunked(
     if not options.scalar:
         loss = loss.view(out_shape)
     per_token = [value.view(out_shape) if asked else None for value, asked in zip(per_token, options.want, strict=True)]
-    return loss, *per_token, (labels != options.ignore_index).view(out_shape)
+    label_mask = None
+    if not options.scalar or options.want.is_top1:  # a scalar loss alone needs no mask: no launch for it
+        label_mask = (labels != options.ignore_index).view(out_shape)
+    return loss, *per_token, label_mask
 
 
 def fused_linear_cross_entropy(

@@ -21,10 +21,11 @@ its buffer with its columns of the logits gradient (``eps / V`` over the whole v
 its dW (and dbias) shard from them, and its part ``G_r @ W_r`` of dh; one all-reduce over the group
 sums dh's parts, so every rank gets the full gradient of its (replicated) hidden states.
 
-On the Triton path the label mapping, the packing of the block and the merge are one kernel launch each
-(vocab_parallel_kernels.py) and the exchange one ``all_gather_into_tensor`` into a preallocated buffer:
-each rank's GEMMs shrink with the group while this bookkeeping does not, and written as torch
-operations it kept the host, not the GPU, busy (about 25 launches per chunk).
+On the Triton path the label mapping is part of the op's one label launch (core/label_kernels.py), the
+packing of the block and the merge are one kernel launch each (vocab_parallel_kernels.py) and the
+exchange one ``all_gather_into_tensor`` into a preallocated buffer: each rank's GEMMs shrink with the
+group while this bookkeeping does not, and written as torch operations it kept the host, not the GPU,
+busy (about 25 launches per chunk).
 
 No rank holds more than its ``[C, V_r]`` buffer of logits or more than its weight shard; the
 unfused tensor-parallel head instead gathers the whole ``[N, V]`` logits on every rank. FLOPs per rank:
@@ -116,35 +117,26 @@ def unwrap_dtensors(
         if not isinstance(bias, DTensor) or bias.placements != weight.placements or bias.device_mesh != mesh:
             fail(f"the bias must be sharded like the weight (a DTensor with placements {weight.placements})")
         bias = bias.to_local()
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    _, offset = compute_local_shape_and_global_offset(weight.shape, mesh, weight.placements)
-    shard = VocabShard(start=int(offset[0]), total=int(weight.shape[0]), group=mesh.get_group(mesh_dim))
+    shard = VocabShard(start=_shard_start(weight), total=int(weight.shape[0]), group=mesh.get_group(mesh_dim))
     return hidden, weight.to_local(), bias, labels, shard
 
 
-def shard_labels(
-    labels: torch.Tensor, shard: VocabShard, local_vocab: int, ignore_index: int, use_triton: bool
-) -> torch.Tensor:
-    """Labels as ids of the local shard: ``label - start`` where the shard owns it, ``ignore_index`` where
-    ignored, and an out-of-range id that is not ``ignore_index`` (a valid row without a target here)."""
-    not_owned = -1 if ignore_index != -1 else -2
-    if use_triton:
-        import triton
+_SHARD_STARTS: dict[tuple, int] = {}
 
-        from .vocab_parallel_kernels import shard_labels_kernel
 
-        labels = labels.contiguous()
-        out = torch.empty_like(labels)
-        n = labels.numel()
-        block = 1024
-        shard_labels_kernel[(triton.cdiv(n, block),)](
-            labels, out, n, shard.start, local_vocab, ignore_index, not_owned, BLOCK=block
-        )
-        return out
-    local = labels - shard.start
-    owned = (local >= 0) & (local < local_vocab)
-    return torch.where(labels == ignore_index, ignore_index, torch.where(owned, local, not_owned))
+def _shard_start(weight: Any) -> int:
+    """This rank's first vocabulary row of a vocab-sharded DTensor, worked out by DTensor (in Python, a
+    noticeable share of the op's host time) once per layout: shape, placements, mesh shape and this rank's
+    coordinate in it decide it."""
+    mesh = weight.device_mesh
+    key = (tuple(weight.shape), tuple(weight.placements), tuple(mesh.shape), tuple(mesh.get_coordinate() or ()))
+    start = _SHARD_STARTS.get(key)
+    if start is None:
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        _, offset = compute_local_shape_and_global_offset(weight.shape, mesh, weight.placements)
+        start = _SHARD_STARTS[key] = int(offset[0])
+    return start
 
 
 def all_reduce_sum(tensor: torch.Tensor, shard: VocabShard) -> None:
@@ -178,8 +170,9 @@ class ShardRowPass:
         self.local_transform = dataclasses.replace(transform, label_smoothing=0.0, z_loss=0.0, vocab_size=None)
         self.world = dist.get_world_size(shard.group)
         acc_dtype = stats_dtype(dtype)
-        # Flat, so that a chunk's [4, C] block and the gathered [R, 4, C] are contiguous for any C.
-        self.block = torch.zeros(4 * max_rows, dtype=acc_dtype, device=device)
+        # Flat, so that a chunk's [4, C] block and the gathered [R, 4, C] are contiguous for any C. Every row
+        # that is read is written first (the smoothing row only with smoothing): no fill needed.
+        self.block = torch.empty(4 * max_rows, dtype=acc_dtype, device=device)
         self.gathered = torch.empty(self.world * 4 * max_rows, dtype=acc_dtype, device=device)
         # One launch per step instead of a dozen torch operations (vocab_parallel_kernels.py); fp32 statistics.
         self.fused = use_triton and acc_dtype == torch.float32
@@ -195,7 +188,7 @@ class ShardRowPass:
     ) -> None:
         """Fill ``out.loss`` and ``out.lse`` [C] with the whole vocabulary's values for the chunk's rows;
         with ``grad_scale`` (0-d, the reduction factor) overwrite ``raw`` [C, V_r] with this shard's
-        columns of the gradient. ``labels``: the chunk's labels as shard ids (:func:`shard_labels`);
+        columns of the gradient. ``labels``: the chunk's labels as shard ids (``core.labels.prepare_labels``);
         ``target_raw``: their fp32 raw target logits (0 where not owned, from ``target_logits``)."""
         rows, local_vocab = raw.shape
         block = self.block[: 4 * rows].view(4, rows)

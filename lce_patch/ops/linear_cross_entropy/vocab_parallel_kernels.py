@@ -4,15 +4,13 @@ torch form takes five to fifteen.
 Design note
 -----------
 Under tensor parallelism each rank's share of the GEMMs shrinks with the group (V / R columns), while the
-bookkeeping around them does not: mapping the labels into the shard, packing the per-row statistics
-for the exchange, and merging every rank's statistics into the loss and the log-sum-exp. Written as
-torch operations these are some 25 launches of kernels of a few microseconds each per chunk; the host
-spends 20-50 us on each, so on a Llama-3.2-1B head at 4096 tokens over four H100s the op ran at 4.5-5.0
+bookkeeping around them does not: packing the per-row statistics for the exchange, and merging every
+rank's statistics into the loss and the log-sum-exp (the labels' mapping into the shard is part of the
+op's label launch, core/label_kernels.py). Written as torch operations these were some 25 launches of
+kernels of a few microseconds each per chunk; the host spends 20-50 us on each, so on a Llama-3.2-1B head at 4096 tokens over four H100s the op ran at 4.5-5.0
 ms where its GEMMs need 2.7 (2026-11-27, profiled), and a model step under tensor parallelism is
 host-bound: the host's time is the step's. These kernels do each step in one pass over a few [C] rows:
 
-* ``shard_labels_kernel``: label -> its id in the shard, the ignore index kept, and an out-of-range id
-  (``not_owned``) where another shard owns the label.
 * ``shard_pack_kernel``: from the statistics kernel's local loss and log-sum-exp, the block that is
   exchanged: the local log-sum-exp with the exact target logit swapped in (loss + z_y), the target's
   final logit z_y (0 where not owned), and the sum of the final logits (label smoothing).
@@ -34,18 +32,6 @@ LSE = tl.constexpr(0)
 LOSS_LSE = tl.constexpr(1)
 TARGET = tl.constexpr(2)
 SUM_Z = tl.constexpr(3)
-
-
-@triton.jit
-def shard_labels_kernel(labels_ptr, out_ptr, n, start, local_vocab, ignore_index, not_owned, BLOCK: tl.constexpr):
-    offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offsets < n
-    label = tl.load(labels_ptr + offsets, mask=mask, other=0)
-    local = label - start
-    owned = (local >= 0) & (local < local_vocab)
-    local = tl.where(owned, local, not_owned)
-    local = tl.where(label == ignore_index, ignore_index, local)
-    tl.store(out_ptr + offsets, local, mask=mask)
 
 
 @triton.jit
