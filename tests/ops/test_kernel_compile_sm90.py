@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from lce_patch import fused_linear_cross_entropy, fused_linear_log_probs
-from lce_patch.ops.core import backend
+from lce_patch.ops.core import backend, labels
 from lce_patch.ops.linear_cross_entropy import rows
 
 triton = pytest.importorskip("triton")
@@ -94,6 +94,11 @@ def _run_ops():
         ).sum().backward()
         with torch.no_grad():
             fused_linear_cross_entropy(hidden, weight, labels, backend="triton", **options)
+        bias = torch.randn(200, generator=generator).to(torch.bfloat16).requires_grad_()
+        num_valid = int((labels != -100).sum())  # the row selection, and a third gradient (scaled on its own)
+        fused_linear_cross_entropy(
+            hidden, weight, labels, bias=bias, backend="triton", num_valid_tokens=num_valid, **options
+        ).backward()
         if options.get("softcap") == 30.0:  # a frozen W: the one-pass softcapped gradient
             fused_linear_cross_entropy(hidden, weight.detach(), labels, backend="triton", **options).backward()
         out = fused_linear_log_probs(
@@ -108,6 +113,7 @@ def test_every_launched_kernel_variant_compiles_for_sm90(monkeypatch):
     launches = []
     monkeypatch.setattr(rows, "_kernels", _RecordingKernels(rows._kernels, launches))
     monkeypatch.setattr(backend, "_triton_helpers", _RecordingKernels(backend._triton_helpers, launches))
+    monkeypatch.setattr(labels, "_kernels", _RecordingKernels(labels._kernels, launches))
     _run_ops()
     payload = {}
     for kernel, args, kwargs in launches:
@@ -122,7 +128,14 @@ def test_every_launched_kernel_variant_compiles_for_sm90(monkeypatch):
         payload[json.dumps(variant, sort_keys=True)] = variant
     payload = list(payload.values())
     names = {variant["kernel"] for variant in payload}
-    assert {"_stats_kernel", "_grad_kernel", "_target_logit_kernel", "scale_inplace_kernel"} <= names
+    assert {
+        "_stats_kernel",
+        "_grad_kernel",
+        "_target_logit_kernel",
+        "scale_inplace_kernel",
+        "scale_pair_inplace_kernel",
+        "prepare_labels_kernel",
+    } <= names
     assert any(kwargs.get("UNNORMALIZED_GRAD") for _, _, kwargs in launches)  # the one-pass variant too
     assert any(kwargs.get("WANT_LOG_SUM_SQ") and kwargs.get("WRITE_GRAD") for _, _, kwargs in launches)
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}

@@ -66,12 +66,33 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+_SCALE_BLOCK = 4096
+
+
 def scale_inplace(grad: torch.Tensor, scale: torch.Tensor, use_triton: bool) -> None:
     """``grad *= scale`` (0-d tensor) without a host sync; free when ``scale`` is exactly 1 on Triton."""
     if use_triton and grad.is_contiguous() and grad.numel() > 0:
-        block = 4096
-        _triton_helpers.scale_inplace_kernel[(cdiv(grad.numel(), block),)](
-            grad, grad.numel(), scale.float().reshape(1), BLOCK=block
+        _triton_helpers.scale_inplace_kernel[(cdiv(grad.numel(), _SCALE_BLOCK),)](
+            grad, grad.numel(), scale.float().reshape(1), BLOCK=_SCALE_BLOCK
         )
     else:
         grad.mul_(scale)
+
+
+def scale_all_inplace(grads: list[torch.Tensor], scale: torch.Tensor, use_triton: bool) -> None:
+    """:func:`scale_inplace` for each of ``grads``; on Triton two contiguous ones share a launch (a scalar loss's dh
+    and dW: the backward is then one launch, the host's only work for it)."""
+    pending = []
+    for grad in grads:
+        if use_triton and grad.is_contiguous() and grad.numel() > 0:
+            pending.append(grad)
+        else:
+            scale_inplace(grad, scale, use_triton)
+    scale = scale.float().reshape(1) if pending else scale
+    for first, second in zip(pending[::2], pending[1::2], strict=False):
+        first_programs = cdiv(first.numel(), _SCALE_BLOCK)
+        _triton_helpers.scale_pair_inplace_kernel[(first_programs + cdiv(second.numel(), _SCALE_BLOCK),)](
+            first, first.numel(), second, second.numel(), first_programs, scale, BLOCK=_SCALE_BLOCK
+        )
+    if len(pending) % 2:
+        scale_inplace(pending[-1], scale, use_triton)

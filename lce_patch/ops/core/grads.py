@@ -12,7 +12,7 @@ from typing import NamedTuple
 
 import torch
 
-from .backend import scale_inplace, stats_dtype
+from .backend import scale_all_inplace, stats_dtype
 
 # Whether a chunk's dW GEMM runs on a second CUDA stream beside its dh GEMM (GradAccumulator;
 # on the H100 1.1 ms faster per Llama-3-8B step, 0.2-0.4 ms on Qwen2.5 and Gemma-2, NOTES v19).
@@ -301,13 +301,13 @@ def scaled_by_upstream(
     1 on Triton). Otherwise (a graph, which cannot scale a saved tensor in place): a new tensor, the product
     taken in fp32 (fp64 for fp64) and rounded once, as in place.
     """
+    if in_place and grad_out is not None:
+        scale_all_inplace([grad for grad in grads if grad is not None], grad_out, use_triton)
+        return tuple(grads)
     scaled = []
     for grad in grads:
         if grad_out is None or grad is None:
             scaled.append(None)
-        elif in_place:
-            scale_inplace(grad, grad_out, use_triton)
-            scaled.append(grad)
         else:
             compute = torch.promote_types(grad.dtype, torch.float32)
             scaled.append((grad.to(compute) * grad_out.to(compute)).to(grad.dtype))

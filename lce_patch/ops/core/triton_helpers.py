@@ -64,3 +64,22 @@ def scale_inplace_kernel(x_ptr, numel, scale_ptr, BLOCK: tl.constexpr):
         mask = offsets < numel
         x = tl.load(x_ptr + offsets, mask=mask)
         tl.store(x_ptr + offsets, (x.to(tl.float32) * scale).to(x_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def scale_pair_inplace_kernel(x_ptr, x_numel, y_ptr, y_numel, x_programs, scale_ptr, BLOCK: tl.constexpr):
+    """``x *= scale`` and ``y *= scale`` in one launch (the first ``x_programs`` programs take x), skipped when
+    the scale is exactly 1, as :func:`scale_inplace_kernel`: a scalar loss's dh and dW scaled by one launch."""
+    scale = tl.load(scale_ptr).to(tl.float32)
+    if scale != 1.0:
+        pid = tl.program_id(0)
+        if pid < x_programs:
+            offsets = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+            mask = offsets < x_numel
+            x = tl.load(x_ptr + offsets, mask=mask)
+            tl.store(x_ptr + offsets, (x.to(tl.float32) * scale).to(x_ptr.dtype.element_ty), mask=mask)
+        else:
+            offsets = (pid - x_programs).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+            mask = offsets < y_numel
+            y = tl.load(y_ptr + offsets, mask=mask)
+            tl.store(y_ptr + offsets, (y.to(tl.float32) * scale).to(y_ptr.dtype.element_ty), mask=mask)

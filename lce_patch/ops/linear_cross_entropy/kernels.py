@@ -490,6 +490,7 @@ def _grad_kernel(
     lse_ptr,
     entropy_ptr,
     grad_loss_ptr,
+    grad_loss_stride,
     grad_entropy_ptr,
     vocab_size,
     smoothing_vocab_size,
@@ -528,7 +529,7 @@ def _grad_kernel(
         grad_loss = p * p_scale - tl.where(cols == label, 1.0 - label_smoothing, 0.0)
         if HAS_SMOOTHING:  # eps spread over the whole vocabulary (more than this buffer's for a shard)
             grad_loss -= label_smoothing / smoothing_vocab_size
-        grad += grad_loss * tl.load(grad_loss_ptr + row).to(tl.float32)
+        grad += grad_loss * tl.load(grad_loss_ptr + row * grad_loss_stride).to(tl.float32)
     if HAS_ENTROPY_GRAD:
         entropy = tl.load(entropy_ptr + row)
         grad += -p * (z - lse + entropy) * tl.load(grad_entropy_ptr + row).to(tl.float32)

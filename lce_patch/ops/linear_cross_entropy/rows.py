@@ -326,6 +326,7 @@ def _triton_chunk_grad(raw, labels, transform, lse, entropy, grad_loss, grad_ent
         lse,
         entropy if entropy is not None else lse,
         grad_loss if grad_loss is not None else lse,
+        grad_loss.stride(0) if grad_loss is not None else 0,
         grad_entropy if grad_entropy is not None else lse,
         vocab_size,
         transform.vocab_size or vocab_size,
@@ -439,7 +440,8 @@ def chunk_grad(
     use_triton: bool,
 ) -> None:
     """Overwrite ``raw`` [C, V] with grad_loss * dloss/draw + grad_entropy * dH/draw, row by row
-    (``grad_loss``, ``grad_entropy``: fp32 [C] upstream gradients)."""
+    (``grad_loss``, ``grad_entropy``: fp32 [C] upstream gradients; ``grad_entropy`` contiguous, ``grad_loss`` any
+    stride, so a 0-d factor expanded to [C] serves every row without a copy)."""
     if use_triton:
         _triton_chunk_grad(raw, labels, transform, lse, entropy, grad_loss, grad_entropy)
     else:

@@ -36,12 +36,12 @@ one all-reduce of dh ([N, D]), which the unfused head's backward performs too.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import torch
 
 from ..core.backend import stats_dtype
+from ..core.schema import replace_checked_fields
 from ..core.transform import LogitTransform
 from .options import VocabShard, fail
 from .rows import RowOutputs, chunk_grad, chunk_stats, final_logits
@@ -167,7 +167,7 @@ class ShardRowPass:
         self.transform = transform
         self.use_triton = use_triton
         # Statistics of the shard alone: no smoothing or z-loss, which need the merged values.
-        self.local_transform = dataclasses.replace(transform, label_smoothing=0.0, z_loss=0.0, vocab_size=None)
+        self.local_transform = replace_checked_fields(transform, label_smoothing=0.0, z_loss=0.0, vocab_size=None)
         self.world = dist.get_world_size(shard.group)
         acc_dtype = stats_dtype(dtype)
         # Flat, so that a chunk's [4, C] block and the gathered [R, 4, C] are contiguous for any C. Every row
@@ -176,7 +176,6 @@ class ShardRowPass:
         self.gathered = torch.empty(self.world * 4 * max_rows, dtype=acc_dtype, device=device)
         # One launch per step instead of a dozen torch operations (vocab_parallel_kernels.py); fp32 statistics.
         self.fused = use_triton and acc_dtype == torch.float32
-        self.grad_rows = None
 
     def run(
         self,
@@ -201,10 +200,9 @@ class ShardRowPass:
         pack_block(block, labels, target_raw, local_vocab, self.transform, self.fused)
         _all_gather_flat(gathered, block.view(-1), self.shard.group)
         merge_blocks(gathered.view(self.world, 4, rows), labels, out.loss, out.lse, self.transform, self.fused)
-        if grad_scale is not None:
-            if self.grad_rows is None:  # the reduction factor per row, as the grad kernel reads it
-                self.grad_rows = grad_scale.to(self.block.dtype).expand(self.block.shape[0] // 4).contiguous()
-            chunk_grad(raw, labels, self.transform, out.lse, None, self.grad_rows[:rows], None, self.use_triton)
+        if grad_scale is not None:  # the reduction factor, each row's (a 0-d one expanded: no copy)
+            grad_rows = grad_scale.expand(rows) if grad_scale.dim() == 0 else grad_scale
+            chunk_grad(raw, labels, self.transform, out.lse, None, grad_rows, None, self.use_triton)
 
 
 def pack_block(
