@@ -26,7 +26,10 @@ step time. The loading (``--api``):
 Timing: ``--warmup`` steps per variant (default 3; compilation and autotuning stay out of the timed steps), then
 ``--steps`` timed steps of each variant (default 20), interleaved (unpatched, patched, patched, unpatched, ...) so
 that drift over the run reaches both alike, each bracketed by device synchronisations; the median, min, p10,
-p90 and max per variant and rank. ``--tokens`` takes several counts (``--sweep``: 4096 8192 16384 32768),
+p90 and max per variant and rank, each step's time (the slowest rank's) and the ratio of the variants' medians
+with a 95% interval from a paired bootstrap over the steps: a host-bound step varies by 10-30% from step to step,
+so a ratio whose interval holds 1 is a tie at that many steps (100 steps give an interval of about +-5% on the
+H100 hosts measured). ``--tokens`` takes several counts (``--sweep``: 4096 8192 16384 32768),
 run one after the other on the same loaded model. ``--profile DIR`` writes a torch.profiler trace (Chrome
 JSON) and a ``key_averages`` table of one unpatched and one patched step at the first token count, on rank 0,
 and reports each profiled step's host span, GPU busy time, kernel launches and synchronisations (``step_work``):
@@ -49,6 +52,7 @@ import inspect
 import json
 import os
 import platform
+import random
 import statistics
 import sys
 import tempfile
@@ -428,7 +432,25 @@ def time_interleaved(args, model, step, variants: list[str], device: torch.devic
             if cuda:
                 peaks[variant] = max(peaks[variant], torch.cuda.max_memory_allocated(device) - model_bytes)
     model.zero_grad(set_to_none=True)
-    return {variant: {**timing_summary(times[variant]), "peak_mib": peaks[variant] / 2**20} for variant in variants}
+    return {
+        variant: {**timing_summary(times[variant]), "peak_mib": peaks[variant] / 2**20, "times_ms": times[variant]}
+        for variant in variants
+    }
+
+
+def ratio_interval(reference: list[float], candidate: list[float], rounds: int = 2000) -> tuple[float, float]:
+    """A 95% interval of median(candidate) / median(reference) by a paired bootstrap: the steps are resampled
+    as pairs (step i of both variants ran next to each other, so drift of the host reaches both alike).
+    Deterministic (a fixed seed). A host-bound step varies by 10-30% from one step to the next: a ratio whose
+    interval holds 1 is a tie at that many steps."""
+    generator = random.Random(0)
+    count = len(reference)
+    ratios = []
+    for _ in range(rounds):
+        picks = [generator.randrange(count) for _ in range(count)]
+        ratios.append(statistics.median(candidate[i] for i in picks) / statistics.median(reference[i] for i in picks))
+    ratios.sort()
+    return ratios[int(0.025 * rounds)], ratios[int(0.975 * rounds) - 1]
 
 
 def train_step(
@@ -563,6 +585,16 @@ def summarize_model(args, tokens: int, ranks: list[dict], loss_tol: float, grad_
         }
         if "profiled_step" in ranks[0][variant]:
             row[variant]["profiled_step_rank0"] = ranks[0][variant]["profiled_step"]
+    if "oom" not in row["unpatched"] and "oom" not in row["patched"]:
+        # A step's time is its slowest rank's (every step ends with a synchronisation on every rank).
+        steps = {
+            variant: [max(times) for times in zip(*(r[variant]["times_ms"] for r in ranks), strict=True)]
+            for variant in ("unpatched", "patched")
+        }
+        row["ratio"] = {
+            "median": statistics.median(steps["patched"]) / statistics.median(steps["unpatched"]),
+            "interval95": ratio_interval(steps["unpatched"], steps["patched"]),
+        }
     # The unpatched head may run out of memory at long inputs (its [N, V] logits on every rank): then only the
     # patched run is checked, against one process. The patched one must run.
     ok = "oom" not in row["patched"]
@@ -622,9 +654,10 @@ def print_model_table(report: dict) -> None:
             print(f"{'':>7} {'ok' if row['ok'] else 'FAIL'}")
             continue
         worst = max(row["ranks"], key=lambda r: r["worst_grad_rel"])
+        low, high = row["ratio"]["interval95"]
         print(
-            f"{'':>7} patched / unpatched: x{row['patched']['ms_median'] / row['unpatched']['ms_median']:.3f} time, "
-            f"loss rel {max(r['loss_rel'] for r in row['ranks']):.2e}, worst gradient {worst['worst_grad']} "
+            f"{'':>7} patched / unpatched: x{row['ratio']['median']:.3f} time (95% interval {low:.3f}-{high:.3f}, "
+            f"paired bootstrap over the steps), loss rel {max(r['loss_rel'] for r in row['ranks']):.2e}, worst gradient {worst['worst_grad']} "
             f"{worst['worst_grad_rel']:.2e}; {'ok' if row['ok'] else 'FAIL'}"
         )
 

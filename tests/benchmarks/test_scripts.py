@@ -114,6 +114,28 @@ TP_CHECK_CASES = [
 # one process are tests/models/test_distributed_config.py's, so the script is launched with them on the GPU only.
 
 
+def test_tp_check_ratio_interval_is_a_paired_bootstrap():
+    # The interval of median(patched) / median(unpatched): it holds the ratio of the medians, tightens with the
+    # steps, excludes 1 for a clear difference and holds it for a tie of noisy steps; deterministic.
+    import importlib.util
+    import random
+
+    spec = importlib.util.spec_from_file_location("tp_check", BENCHMARKS / "checks" / "tp_check.py")
+    tp_check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tp_check)
+    noise = random.Random(1)
+    base = [100.0 * (1 + 0.2 * noise.random()) for _ in range(100)]
+    slower = [t * 1.1 for t in base]
+    low, high = tp_check.ratio_interval(base, slower)
+    assert abs(low - 1.1) < 1e-9 and abs(high - 1.1) < 1e-9  # paired: the same steps, 10% slower each
+    tie = [100.0 * (1 + 0.2 * noise.random()) for _ in range(100)]
+    low, high = tp_check.ratio_interval(base, tie)
+    assert low < 1.0 < high and high - low < 0.15
+    assert tp_check.ratio_interval(base, tie) == (low, high)
+    few = tp_check.ratio_interval(base[:10], tie[:10])
+    assert few[1] - few[0] > high - low
+
+
 def test_tp_check_step_work_reads_a_trace():
     # The profiled step's summary: the host's span over the operators, launches and synchronisations inside it
     # (not the profiler's own after it), the kernels' time summed.
@@ -177,6 +199,8 @@ def test_tp_check_on_cpu(part, arch, processes, extra, layout, tmp_path):
         assert [run["tokens"] for run in report["runs"]] == tokens
         for run in report["runs"]:
             assert run["reference"]["patched_rel"] < 1e-5 and run["unpatched"]["steps"] == 3
+            low, high = run["ratio"]["interval95"]
+            assert 0 < low <= high and len(run["ranks"][0]["patched"]["times_ms"]) == 3
             assert run["unpatched"]["ms_min"] <= run["unpatched"]["ms_median"] <= run["unpatched"]["ms_max"]
     if "--profile" in extra:  # a trace, a table and the host / GPU summary of one step per variant, on rank 0
         for variant in ("unpatched", "patched"):
