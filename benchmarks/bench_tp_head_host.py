@@ -46,6 +46,8 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from bench_common import git_revision  # noqa: E402
+
 from lce_patch import VocabShard, fused_linear_cross_entropy  # noqa: E402
 
 # name: (hidden size D, vocabulary V, final-logit softcap)
@@ -230,7 +232,7 @@ def main(argv=None) -> int:
                 "transformers": __import__("transformers").__version__,
                 "python": platform.python_version(),
             },
-            "commit": os.environ.get("LCE_BENCH_COMMIT"),
+            "commit": os.environ.get("LCE_BENCH_COMMIT") or git_revision(),
             "date": time.strftime("%Y-%m-%d"),
             "rows": rows,
         }

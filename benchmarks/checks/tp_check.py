@@ -698,7 +698,7 @@ def main(argv=None) -> int:
                 "transformers": __import__("transformers").__version__,
                 "python": platform.python_version(),
             },
-            "commit": git_revision(),
+            "commit": os.environ.get("LCE_BENCH_COMMIT") or git_revision(),
             "date": time.strftime("%Y-%m-%d"),
         }
         if args.part == "op":
