@@ -32,7 +32,6 @@ import cProfile
 import io
 import json
 import os
-import platform
 import pstats
 import statistics
 import sys
@@ -46,7 +45,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from bench_common import git_revision  # noqa: E402
+from bench_common import env_info  # noqa: E402
 
 from lce_patch import VocabShard, fused_linear_cross_entropy  # noqa: E402
 
@@ -223,17 +222,9 @@ def main(argv=None) -> int:
                     f"{r['wall']:.2f} | {r['pipelined']:.2f} | {r['launches']} | {r['gpu_ms']:.2f} |"
                 )
         report = {
-            "device": torch.cuda.get_device_name(device) if cuda else "cpu",
+            **env_info(),
             "world_size": world,
             "shards": args.shards if world == 1 else world,
-            "versions": {
-                "torch": torch.__version__,
-                "triton": getattr(__import__("triton"), "__version__", None) if cuda else None,
-                "transformers": __import__("transformers").__version__,
-                "python": platform.python_version(),
-            },
-            "commit": os.environ.get("LCE_BENCH_COMMIT") or git_revision(),
-            "date": time.strftime("%Y-%m-%d"),
             "rows": rows,
         }
         out = Path(args.out)

@@ -33,6 +33,7 @@ SCRIPTS = [
     "preference_e2e.py",
     "chunk_sweep.py",
     "bench_lora_head.py",
+    "bench_tp_head_host.py",
     "plot_results.py",
     "plot_multi_gpu.py",
     "research/probe_gemm_epilogue.py",

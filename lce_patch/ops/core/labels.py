@@ -119,7 +119,7 @@ def _prepare_triton(
     if select and expected is None and device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         select = False  # no host sync while a CUDA graph is captured: every row is processed, the same result
     if select and expected is None:  # count first (the one host sync of skip_ignored without a count)
-        counted_valid = _launch(labels, vocab_size, ignore_index, None, None, None, shard, 0)
+        counted_valid = _launch(labels, vocab_size, ignore_index, None, None, None, None, 0)  # no ids needed
         expected = int(counted_valid.num_valid)
     compact = select and expected != n
     result = _launch(

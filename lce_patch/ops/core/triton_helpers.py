@@ -51,6 +51,15 @@ def max_keep_nan(a, b):
 
 
 @triton.jit
+def _scale_block(x_ptr, numel, block, scale, BLOCK: tl.constexpr):
+    """``x[block * BLOCK : (block + 1) * BLOCK] *= scale``, the product in fp32 and rounded once to x's dtype."""
+    offsets = block.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offsets < numel
+    x = tl.load(x_ptr + offsets, mask=mask)
+    tl.store(x_ptr + offsets, (x.to(tl.float32) * scale).to(x_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def scale_inplace_kernel(x_ptr, numel, scale_ptr, BLOCK: tl.constexpr):
     """``x *= scale`` for a scale held in device memory, skipped when it is exactly 1.
 
@@ -60,10 +69,7 @@ def scale_inplace_kernel(x_ptr, numel, scale_ptr, BLOCK: tl.constexpr):
     """
     scale = tl.load(scale_ptr).to(tl.float32)
     if scale != 1.0:
-        offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        mask = offsets < numel
-        x = tl.load(x_ptr + offsets, mask=mask)
-        tl.store(x_ptr + offsets, (x.to(tl.float32) * scale).to(x_ptr.dtype.element_ty), mask=mask)
+        _scale_block(x_ptr, numel, tl.program_id(0), scale, BLOCK)
 
 
 @triton.jit
@@ -74,12 +80,6 @@ def scale_pair_inplace_kernel(x_ptr, x_numel, y_ptr, y_numel, x_programs, scale_
     if scale != 1.0:
         pid = tl.program_id(0)
         if pid < x_programs:
-            offsets = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-            mask = offsets < x_numel
-            x = tl.load(x_ptr + offsets, mask=mask)
-            tl.store(x_ptr + offsets, (x.to(tl.float32) * scale).to(x_ptr.dtype.element_ty), mask=mask)
+            _scale_block(x_ptr, x_numel, pid, scale, BLOCK)
         else:
-            offsets = (pid - x_programs).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-            mask = offsets < y_numel
-            y = tl.load(y_ptr + offsets, mask=mask)
-            tl.store(y_ptr + offsets, (y.to(tl.float32) * scale).to(y_ptr.dtype.element_ty), mask=mask)
+            _scale_block(y_ptr, y_numel, pid - x_programs, scale, BLOCK)

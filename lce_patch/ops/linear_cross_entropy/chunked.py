@@ -259,8 +259,6 @@ def _chunked_forward(
         shard=LabelShard(shard.start, vocab_size) if shard is not None else None,
         use_triton=use_triton,
         op_name=OP_NAME,
-        none_counted="every label is ignored",
-        counted="valid labels",
     )
     row_index = prepared.row_index
     valid = None

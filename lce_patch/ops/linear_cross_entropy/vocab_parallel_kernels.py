@@ -7,9 +7,9 @@ Under tensor parallelism each rank's share of the GEMMs shrinks with the group (
 bookkeeping around them does not: packing the per-row statistics for the exchange, and merging every
 rank's statistics into the loss and the log-sum-exp (the labels' mapping into the shard is part of the
 op's label launch, core/label_kernels.py). Written as torch operations these were some 25 launches of
-kernels of a few microseconds each per chunk; the host spends 20-50 us on each, so on a Llama-3.2-1B head at 4096 tokens over four H100s the op ran at 4.5-5.0
-ms where its GEMMs need 2.7 (2026-11-27, profiled), and a model step under tensor parallelism is
-host-bound: the host's time is the step's. These kernels do each step in one pass over a few [C] rows:
+kernels of a few microseconds each per chunk; the host spends 20-50 us on each, so on a Llama-3.2-1B head
+at 4096 tokens over four H100s the op ran at 4.5-5.0 ms where its GEMMs need 2.7 (2026-11-27, profiled),
+and a model step under tensor parallelism is host-bound: the host's time is the step's. These kernels do each step in one pass over a few [C] rows:
 
 * ``shard_pack_kernel``: from the statistics kernel's local loss and log-sum-exp, the block that is
   exchanged: the local log-sum-exp with the exact target logit swapped in (loss + z_y), the target's
