@@ -25,7 +25,9 @@ step time. The loading (``--api``):
 
 Timing: ``--warmup`` steps per variant (default 3; compilation and autotuning stay out of the timed steps), then
 ``--steps`` timed steps of each variant (default 20), interleaved (unpatched, patched, patched, unpatched, ...) so
-that drift over the run reaches both alike, each bracketed by device synchronisations; the median, min, p10,
+that drift over the run reaches both alike, each bracketed by device synchronisations, Python's garbage collector
+run before each and held off during it (as ``timeit`` does: a collection's pause then lands in no timed step);
+the median, min, p10,
 p90 and max per variant and rank, each step's time (the slowest rank's) and the ratio of the variants' medians
 with a 95% interval from a paired bootstrap over the steps: a host-bound step varies by 10-30% from step to step,
 so a ratio whose interval holds 1 is a tie at that many steps (100 steps give an interval of about +-5% on the
@@ -48,6 +50,7 @@ import argparse
 import dataclasses
 import datetime
 import functools
+import gc
 import inspect
 import json
 import os
@@ -413,22 +416,30 @@ def set_variant(model, variant: str) -> None:
 
 def time_interleaved(args, model, step, variants: list[str], device: torch.device, model_bytes: int) -> dict:
     """``--steps`` timed steps of each variant, alternating (A B, B A, A B, ...) so that drift of the host or the
-    GPU clocks over the run reaches both alike; each step bracketed by device synchronisations. Per variant:
+    GPU clocks over the run reaches both alike; each step bracketed by device synchronisations, with the garbage
+    collector run before it and paused during it. Per variant:
     the timing summary and the peak memory above the model over its timed steps."""
     cuda = device.type == "cuda"
     times = {variant: [] for variant in variants}
     peaks = dict.fromkeys(variants, 0)
+    collecting = gc.isenabled()
     for i in range(args.steps):
         for variant in variants if i % 2 == 0 else variants[::-1]:
             set_variant(model, variant)
             if cuda:
                 torch.cuda.synchronize(device)
                 torch.cuda.reset_peak_memory_stats(device)
-            start = time.perf_counter()
-            step()
-            if cuda:
-                torch.cuda.synchronize(device)
-            times[variant].append(1e3 * (time.perf_counter() - start))
+            gc.collect()
+            gc.disable()
+            try:
+                start = time.perf_counter()
+                step()
+                if cuda:
+                    torch.cuda.synchronize(device)
+                times[variant].append(1e3 * (time.perf_counter() - start))
+            finally:
+                if collecting:
+                    gc.enable()
             if cuda:
                 peaks[variant] = max(peaks[variant], torch.cuda.max_memory_allocated(device) - model_bytes)
     model.zero_grad(set_to_none=True)

@@ -107,6 +107,33 @@ def _run_ops():
             return_log_sum_sq_probs=True,
         )  # fmt: skip
         (out.log_probs.sum() + out.entropy.sum()).backward()
+        # a causal LM's call: labels shifted inside the label launch, num_items_in_batch as a tensor
+        fused_linear_cross_entropy(
+            hidden.view(8, 10, 16), weight, labels.view(8, 10), backend="triton", shift=True,
+            num_items_in_batch=torch.tensor(50), num_valid_tokens=int((labels.view(8, 10)[:, 1:] != -100).sum()),
+            **options,
+        ).backward()  # fmt: skip
+
+
+def _run_shard_steps(launches):
+    """A vocabulary shard's row pass (vocab_parallel.py) without a process group: the statistics kernel writing
+    the exchanged block (with and without smoothing) and the merge of every rank's blocks."""
+    from lce_patch.ops.core.transform import LogitTransform
+    from lce_patch.ops.linear_cross_entropy import vocab_parallel_kernels
+
+    generator = torch.Generator().manual_seed(1)
+    raw = torch.randn(24, 50, generator=generator).to(torch.bfloat16)
+    ids = torch.randint(-1, 50, (24,), generator=generator)
+    target_raw = torch.randn(24, generator=generator)
+    for smoothing in (False, True):
+        block = torch.empty(4, 24)
+        out = rows.RowOutputs(loss=block[1], lse=block[0], mean_logit=block[3] if smoothing else None)
+        rows.chunk_stats(raw, ids, LogitTransform(softcap=30.0), out, None, True, target_raw, shard_target=block[2])
+        loss, lse = torch.empty(24), torch.empty(24)
+        _Recorder(vocab_parallel_kernels.shard_merge_kernel, launches)[(1,)](
+            torch.randn(3, 4, 24, generator=generator), ids, loss, lse, 24, 3, -100, 0.1 if smoothing else 0.0,
+            1.0 / 150, 1e-4, SMOOTHING=smoothing, Z_LOSS=smoothing, BLOCK=32,
+        )  # fmt: skip
 
 
 def test_every_launched_kernel_variant_compiles_for_sm90(monkeypatch):
@@ -115,6 +142,7 @@ def test_every_launched_kernel_variant_compiles_for_sm90(monkeypatch):
     monkeypatch.setattr(backend, "_triton_helpers", _RecordingKernels(backend._triton_helpers, launches))
     monkeypatch.setattr(labels, "_kernels", _RecordingKernels(labels._kernels, launches))
     _run_ops()
+    _run_shard_steps(launches)
     payload = {}
     for kernel, args, kwargs in launches:
         signature, constexprs, num_warps = _variant(kernel, args, kwargs)
@@ -135,7 +163,10 @@ def test_every_launched_kernel_variant_compiles_for_sm90(monkeypatch):
         "scale_inplace_kernel",
         "scale_pair_inplace_kernel",
         "prepare_labels_kernel",
+        "shard_merge_kernel",
     } <= names
+    assert any(kwargs.get("SHARD_PACK") for _, _, kwargs in launches)
+    assert any(kwargs.get("SHIFT") for _, _, kwargs in launches)
     assert any(kwargs.get("UNNORMALIZED_GRAD") for _, _, kwargs in launches)  # the one-pass variant too
     assert any(kwargs.get("WANT_LOG_SUM_SQ") and kwargs.get("WRITE_GRAD") for _, _, kwargs in launches)
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}

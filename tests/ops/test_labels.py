@@ -1,6 +1,6 @@
 """The op's label preparation (core/labels.py): the one-launch Triton kernel against the torch form, value for
-value, on fresh random labels of sizes around the kernel's block, with and without a row selection, a shard and
-each reduction; and bad labels, counts and ``num_items_in_batch`` refused by name on both."""
+value, on fresh random labels of sizes around the kernel's block, with and without a row selection, a shard, the
+causal shift and each reduction; and bad labels, counts and ``num_items_in_batch`` refused by name on both."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from lce_patch.ops.core.labels import LabelShard, prepare_labels
+from lce_patch.ops.linear_cross_entropy import shift_labels
 
 from .devices import BACKENDS, GPU, on
 
@@ -47,17 +48,26 @@ def _reference(labels: torch.Tensor, ignore_index: int, shard: LabelShard | None
     return ids, rows, ids if rows is None else ids[rows], valid.sum()
 
 
+def _row_length(n: int) -> int:
+    """The longest row of at most 50 labels that tiles ``n`` (rows of 23 for 2047, 3 for 2049, 1 for 1)."""
+    return max((k for k in range(1, 51) if n % k == 0), default=1)
+
+
 @pytest.mark.skipif(not TRITON, reason="Triton is not usable here")
 @pytest.mark.parametrize("n", [0, 1, 7, 2047, 2048, 2049, 4500])
 @pytest.mark.parametrize("shard", [None, LabelShard(30, 41)], ids=["whole", "shard"])
 @pytest.mark.parametrize("select", ["none", "count_given", "counted"])
 @pytest.mark.parametrize("ignore_index", [-100, -1])
-def test_kernel_equals_torch_form(n, shard, select, ignore_index):
+@pytest.mark.parametrize("shift", [False, True], ids=["as_given", "shifted"])
+def test_kernel_equals_torch_form(n, shard, select, ignore_index, shift):
     labels = _labels(n, ignore_index, seed=n + 3)
-    count = int((labels != ignore_index).sum())
+    shift_rows = _row_length(n) if shift and n else 0
+    # what the op's labels are once shifted: each row's targets move one position left (Hugging Face's shift)
+    targets = shift_labels(labels.view(-1, shift_rows), ignore_index).view(-1) if shift_rows else labels
+    count = int((targets != ignore_index).sum())
     kwargs = dict(
         ignore_index=ignore_index, shard=shard, select=select != "none",
-        num_valid_tokens=count if select == "count_given" else None,
+        num_valid_tokens=count if select == "count_given" else None, shift_rows=shift_rows,
     )  # fmt: skip
     fused = _prepare("triton", labels, **kwargs)
     plain = _prepare("torch", labels, **kwargs)
@@ -65,7 +75,7 @@ def test_kernel_equals_torch_form(n, shard, select, ignore_index):
         assert (got is None) == (want is None)
         if got is not None:
             assert got.dtype == want.dtype and torch.equal(got, want)
-    ids, rows, row_labels, num_valid = _reference(labels, ignore_index, shard, select != "none")
+    ids, rows, row_labels, num_valid = _reference(targets, ignore_index, shard, select != "none")
     assert torch.equal(fused[0], ids) and torch.equal(fused[2], row_labels) and int(fused[3]) == num_valid
     assert (fused[1] is None) == (rows is None) and (rows is None or torch.equal(fused[1], rows))
 
@@ -125,3 +135,18 @@ def test_bad_values_are_refused_by_name(backend, labels_change, kwargs, message)
         kwargs = {**kwargs, "num_valid_tokens": count + (1 if kwargs["num_valid_tokens"].endswith("+1") else -1)}
     with pytest.raises(ValueError, match=message):
         _prepare(backend, labels, **kwargs)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_the_shift_checks_the_labels_it_keeps(backend):
+    """Shifted, each row's first label is never a target (Hugging Face drops it unchecked), every other one is."""
+    labels = _labels(2100, -100, seed=11)
+    labels[30] = VOCAB  # the first label of the second row of 30: dropped by the shift
+    result = _prepare(backend, labels, shift_rows=30, reduction="sum", select=True)
+    targets = shift_labels(labels.view(-1, 30), -100).view(-1)
+    assert torch.equal(result[2], targets[targets != -100]) and int(result[3]) == int((targets != -100).sum())
+    if backend == "triton" and GPU:
+        return  # a bad label is a device assert there (test_cuda.py)
+    labels[31] = VOCAB  # the target of position 30
+    with pytest.raises(ValueError, match=f"label {VOCAB} is outside"):
+        _prepare(backend, labels, shift_rows=30)

@@ -255,34 +255,45 @@ def test_dtensor_weight_and_sequence_parallel_hidden():
 )
 @pytest.mark.parametrize("world_size", [1, 3])
 def test_fused_shard_steps_equal_torch(transform, world_size):
-    """The one-launch block packing and merge (vocab_parallel_kernels.py) against their torch forms on fresh
-    random statistics: labels owned, owned by another shard, and ignored (their shard ids as the op's label
-    launch makes them, tested in test_labels.py); a row whose every part is -inf; fp32 throughout (the
-    kernels' only dtype), so the two agree to fp32 rounding."""
+    """The exchanged block as the statistics kernel writes it (``shard_target``, kernels.py) and the one-launch merge
+    (vocab_parallel_kernels.py) against their torch forms on fresh random logits and statistics: labels owned,
+    owned by another shard, and ignored (their shard ids as the op's label launch makes them, tested in
+    test_labels.py); a row whose every part is -inf; fp32 throughout (the merge's only dtype), so the two agree to
+    fp32 rounding."""
     from lce_patch.ops.core.labels import LabelShard, shard_ids
-    from lce_patch.ops.linear_cross_entropy.rows import LogitTransform
+    from lce_patch.ops.core.schema import replace_checked_fields
+    from lce_patch.ops.linear_cross_entropy.rows import LogitTransform, RowOutputs, chunk_stats
     from lce_patch.ops.linear_cross_entropy.vocab_parallel import merge_blocks, pack_block
 
     gen = torch.Generator().manual_seed(world_size)
     rows, local_vocab, total = 37, 11, 40
     options = LogitTransform(vocab_size=total, **transform)
+    local = replace_checked_fields(options, label_smoothing=0.0, z_loss=0.0, vocab_size=None)  # as ShardRowPass
     ignore = options.ignore_index
     labels = torch.randint(0, total, (rows,), generator=gen)
     labels[::5] = ignore
     torch_ids = shard_ids(labels, LabelShard(start=13, rows=local_vocab), ignore)
     assert ((torch_ids >= 0) & (torch_ids < local_vocab)).any() and (torch_ids == ignore).any()
 
-    block = torch.randn(4, rows, generator=gen) * 3
-    target_raw = torch.randn(rows, generator=gen) * 4
+    raw = torch.randn(rows, local_vocab, generator=gen) * 3
+    target_raw = (raw.gather(1, torch_ids.clamp(0, local_vocab - 1)[:, None])[:, 0] + 1e-3).contiguous()
+    smoothing = options.label_smoothing != 0.0
     packed = {}
     for fused in (True, False):
-        b = on("triton" if fused else "torch", block.clone())
-        ids = on("triton" if fused else "torch", torch_ids)
-        pack_block(b, ids, on("triton" if fused else "torch", target_raw), local_vocab, options, fused)
-        packed[fused] = b.cpu()
-    smoothing = options.label_smoothing != 0.0
+        where = "triton" if fused else "torch"
+        block = on(where, torch.full((4, rows), float("nan")))
+        out = RowOutputs(loss=block[1], lse=block[0], mean_logit=block[3] if smoothing else None)
+        ids, target = on(where, torch_ids), on(where, target_raw)
+        if fused:
+            chunk_stats(on(where, raw), ids, local, out, None, True, target, shard_target=block[2])
+        else:
+            chunk_stats(on(where, raw), ids, local, out, None, False, target)
+            pack_block(block, ids, target, local_vocab, options)
+        packed[fused] = block.cpu()
     compared = 4 if smoothing else 3  # without smoothing the last row is not read
-    assert rel_err(packed[True][:compared], packed[False][:compared]) <= 1e-6
+    valid = torch_ids != ignore  # an ignored row's exchanged values are never read but its lse's
+    assert rel_err(packed[True][:compared][:, valid], packed[False][:compared][:, valid]) <= 1e-6
+    assert rel_err(packed[True][0], packed[False][0]) <= 1e-6
 
     merged = torch.randn(world_size, 4, rows, generator=gen) * 5
     merged[:, 0, 3] = float("-inf")  # every part -inf: lse -inf

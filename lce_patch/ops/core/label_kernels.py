@@ -21,9 +21,15 @@ waits for: the GPU part of a Llama-3.2-1B head at 4096 tokens on one of four ran
   positions the labels leave unfilled below it get row 0 and ``ignore_index``, so a wrong count is refused
   by its flag without any later kernel reading outside the tensors;
 * at the end: the count, the reduction's factor (1 / count for "mean", 1 for "sum", 1 / num_items with
-  ``num_items_in_batch``; 0 when that is 0), and three flags (labels in range, count equal to ``expected``,
-  ``num_items_in_batch`` finite and > 0, or 0 with no valid label), which the caller turns into
-  asynchronous device asserts.
+  ``num_items_in_batch``; 0 when that is 0), three flags (labels in range, count equal to ``expected``,
+  ``num_items_in_batch`` finite and > 0, or 0 with no valid label) and a fourth that holds when every check
+  the call asked for does (the count only with ``CHECK_COUNT``), which the caller turns into one
+  asynchronous device assert: each assert is a launch of its own.
+
+With ``SHIFT`` the labels are read shifted within rows of ``shift_rows`` labels, as a causal LM's loss wants
+them: position t of a row takes the label of position t + 1, the last position of each row ``ignore_index``;
+``ids`` then receives the shifted labels (shard ids with a shard). That saves the two launches of a shift
+written in torch, and its copy of the labels.
 
 One program: the only dependency between blocks is the running count, and the walk reads 8 bytes per token
 (plus 16 per selected row written), a few microseconds at 4096 tokens and well under a millisecond at a
@@ -59,19 +65,26 @@ def prepare_labels_kernel(
     ignore_index,
     not_owned,
     expected,
+    check_count,
+    shift_rows,
     SHARD: tl.constexpr,
+    SHIFT: tl.constexpr,
     COMPACT: tl.constexpr,
     REDUCTION: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    """``labels`` [n] int64 -> ``ids`` [n] (with SHARD), ``row_index`` / ``row_labels`` [expected] (with
-    COMPACT), ``num_valid`` [1] int64, ``scale`` [1] fp32, ``ok`` [3] int32 (see the module's note)."""
+    """``labels`` [n] int64 -> ``ids`` [n] (with SHARD or SHIFT), ``row_index`` / ``row_labels`` [expected] (with
+    COMPACT), ``num_valid`` [1] int64, ``scale`` [1] fp32, ``ok`` [4] int32 (see the module's note)."""
     count = tl.program_id(0).to(tl.int64) * 0
     bad = count
     for block_start in range(0, n, BLOCK):
         offsets = block_start + tl.arange(0, BLOCK).to(tl.int64)
         mask = offsets < n
-        label = tl.load(labels_ptr + offsets, mask=mask, other=ignore_index).to(tl.int64)
+        if SHIFT:
+            at_row_end = (offsets + 1) % shift_rows == 0
+            label = tl.load(labels_ptr + offsets + 1, mask=mask & ~at_row_end, other=ignore_index).to(tl.int64)
+        else:
+            label = tl.load(labels_ptr + offsets, mask=mask, other=ignore_index).to(tl.int64)
         valid = mask & (label != ignore_index)
         out_of_range = valid & ((label < 0) | (label >= vocab_size))
         bad = tl.maximum(bad, tl.max(out_of_range.to(tl.int64), 0))
@@ -79,6 +92,8 @@ def prepare_labels_kernel(
             local = label - shard_start
             owned = (local >= 0) & (local < shard_rows)
             label = tl.where(valid, tl.where(owned, local, not_owned), ignore_index)
+            tl.store(ids_ptr + offsets, label, mask=mask)
+        elif SHIFT:
             tl.store(ids_ptr + offsets, label, mask=mask)
         valid_count = valid.to(tl.int32)
         if COMPACT:
@@ -111,3 +126,5 @@ def prepare_labels_kernel(
         scale = count.to(tl.float32) * 0.0
     tl.store(scale_ptr, scale)
     tl.store(ok_ptr + 2, items_ok.to(tl.int32))
+    count_ok = (count == expected) | (check_count == 0)
+    tl.store(ok_ptr + 3, ((bad == 0) & count_ok & items_ok).to(tl.int32))

@@ -259,18 +259,19 @@ def _chunked_forward(
         shard=LabelShard(shard.start, vocab_size) if shard is not None else None,
         use_triton=use_triton,
         op_name=OP_NAME,
+        shift_rows=options.shift_rows,
     )
     row_index = prepared.row_index
+    labels = prepared.labels  # shifted if asked; with a shard, ids of the local shard (vocab_parallel.py)
     valid = None
     if token_weights is not None or class_weights is not None or options.want.lse:
-        valid = labels != options.ignore_index
+        valid = labels != options.ignore_index  # a shard's not-owned id is not ignore_index either
     row_weight, weight_sum, class_smoothing = _row_weights(
         labels, valid, token_weights, class_weights, acc_dtype, options
     )
     reduce_scale = prepared.scale
     if class_weights is not None:
         reduce_scale = _reduce_scale(options.reduction, prepared.num_valid, num_items, acc_dtype, weight_sum)
-    labels = prepared.labels  # from here on, with a shard, ids of the local shard (vocab_parallel.py)
 
     total_rows = hidden.shape[0]
     num_rows = total_rows if row_index is None else row_index.shape[0]

@@ -151,8 +151,13 @@ def _run_chunked(
     use_triton = resolve_backend(options.backend, hidden.device, hidden.dtype, OP_NAME)
     out_shape = labels.shape
     labels = labels.long()
-    if options.shift:
+    label_mask_wanted = not options.scalar or options.want.is_top1
+    shift_rows = 0
+    if options.shift and (label_mask_wanted or labels.shape[-1] == 0 or torch.compiler.is_compiling()):
+        # the mask below needs the shifted labels; a graph fuses the shift (and its row length may be symbolic)
         labels = shift_labels(labels, options.ignore_index)
+    elif options.shift:
+        shift_rows = labels.shape[-1]  # the chunked op's label launch shifts them: no launches here
     labels = labels.reshape(-1)
     hidden_2d = hidden.reshape(-1, hidden.shape[-1])
     if options.num_valid_tokens is not None and options.num_valid_tokens > labels.shape[0]:
@@ -165,6 +170,7 @@ def _run_chunked(
     options = SCHEMA.replace(
         options,
         use_triton=use_triton,
+        shift_rows=shift_rows,
         needs_grad=(
             grad_on and hidden.requires_grad,
             grad_on and weight.requires_grad,
@@ -187,7 +193,7 @@ def _run_chunked(
         loss = loss.view(out_shape)
     per_token = [value.view(out_shape) if asked else None for value, asked in zip(per_token, options.want, strict=True)]
     label_mask = None
-    if not options.scalar or options.want.is_top1:  # a scalar loss alone needs no mask: no launch for it
+    if label_mask_wanted:  # a scalar loss alone needs no mask: no launch for it
         label_mask = (labels != options.ignore_index).view(out_shape)
     return loss, *per_token, label_mask
 

@@ -289,6 +289,7 @@ def _stats_kernel(
     class_q_ptr,
     row_smoothing_ptr,
     row_z_loss_ptr,
+    shard_target_ptr,
     vocab_size,
     ignore_index,
     logit_scale,
@@ -311,6 +312,7 @@ def _stats_kernel(
     UNNORMALIZED_GRAD: tl.constexpr,
     PER_ROW_SCALE: tl.constexpr,
     WEIGHTED_SMOOTHING: tl.constexpr,
+    SHARD_PACK: tl.constexpr,
     BLOCK_V: tl.constexpr,
     LANE_GROUP: tl.constexpr,
     MAX_REGROUP: tl.constexpr,
@@ -423,7 +425,13 @@ def _stats_kernel(
         loss += row_z_loss * loss_lse * loss_lse
     # Every form of the loss is >= 0 (lse is at least any average of the logits); the exact-target swap can
     # round it to -1e-7, i.e. a log-probability above 0. NaN stays NaN.
-    tl.store(loss_ptr + row, tl.where(valid, tl.where(loss < 0.0, 0.0, loss), 0.0))
+    if SHARD_PACK:
+        # The rows a vocabulary shard exchanges (vocab_parallel.py): the local lse with the exact target swapped
+        # in, in place of the loss, and the target's final logit where the shard owns it (0 elsewhere).
+        tl.store(loss_ptr + row, loss_lse)
+        tl.store(shard_target_ptr + row, tl.where(label_in_row, loss_target_z, 0.0))
+    else:
+        tl.store(loss_ptr + row, tl.where(valid, tl.where(loss < 0.0, 0.0, loss), 0.0))
     tl.store(lse_ptr + row, lse)
     if WANT_ENTROPY:
         tl.store(entropy_ptr + row, tl.where(valid, entropy, 0.0))
@@ -436,8 +444,8 @@ def _stats_kernel(
             tl.store(argmax_ptr + row, argmax.to(tl.int64))
         if WANT_TOP1:  # the argmax check reads the same argmax, so that the two always agree
             tl.store(is_top1_ptr + row, ((argmax == label) & label_in_row).to(tl.int8))
-    if WANT_MEAN_LOGIT:
-        tl.store(mean_logit_ptr + row, tl.where(valid, sum_z / vocab_size, 0.0))
+    if WANT_MEAN_LOGIT:  # a shard's exchanged row holds the sum over the shard
+        tl.store(mean_logit_ptr + row, tl.where(valid, sum_z if SHARD_PACK else sum_z / vocab_size, 0.0))
     if WANT_LOG_SUM_SQ:  # log(sum p**2) = log(sum exp(2 (z - max))) - 2 log(sum exp(z - max)), <= 0
         log_sum_sq = tl.minimum(tl.log(sum_exp_sq) - 2.0 * tl.log(sum_exp), 0.0)
         tl.store(log_sum_sq_ptr + row, tl.where(valid, log_sum_sq, 0.0))

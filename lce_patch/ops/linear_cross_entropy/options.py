@@ -74,7 +74,9 @@ class CrossEntropyOptions(LogitTransform):
     reduction: one of :data:`..core.reduction.REDUCTIONS`: "mean" (over valid labels) or "sum" for a scalar loss
     (either one the sum / ``num_items_in_batch`` when the call passes that count, a 0-d tensor beside the options),
     "none" for per-token outputs. backend: as asked ("auto", "triton", "torch"); use_triton: what it resolved to
-    for the call's tensors. shift: labels are shifted before the chunked op (which never reads it). needs_grad:
+    for the call's tensors. shift: the labels are shifted (position t's target is label t + 1), by the public
+    function or, with ``shift_rows`` > 0, inside the chunked op's label preparation (rows of that length,
+    flattened; set by the function, never by the caller): the chunked op reads only ``shift_rows``. needs_grad:
     whether (hidden, weight, bias) get gradients; needs_low_rank_grad: whether the low-rank term's (hidden,
     weight) do. want: the :class:`ExtraOutputs` to compute (a plain tuple of six flags is taken in that
     order). chunk_size: rows per chunk, None for the default. skip_ignored / num_valid_tokens: process the valid
@@ -88,6 +90,7 @@ class CrossEntropyOptions(LogitTransform):
     backend: str = "auto"
     use_triton: bool = False
     shift: bool = False
+    shift_rows: int = 0
     needs_grad: tuple[bool, bool, bool] = (False, False, False)
     needs_low_rank_grad: tuple[bool, bool] = (False, False)
     # Annotated as the tuple the operator schema passes (bool[]); always an ExtraOutputs once constructed.
@@ -113,6 +116,7 @@ class CrossEntropyOptions(LogitTransform):
             fail(f"unknown backend {self.backend!r}; expected one of {BACKENDS}")
         check_int("chunk_size", self.chunk_size, minimum=1, allow_none=True)
         check_int("num_valid_tokens", self.num_valid_tokens, minimum=0, allow_none=True)
+        check_int("shift_rows", self.shift_rows, minimum=0)
         for name in ("use_triton", "shift", "skip_ignored", "precompute_grad", "fp32_weight_grad"):
             check_flag(name, getattr(self, name))
         if type(self.want) is not ExtraOutputs:
@@ -124,7 +128,7 @@ class CrossEntropyOptions(LogitTransform):
             value = getattr(self, name)
             if value is not None and type(value) is not float:
                 object.__setattr__(self, name, float(value))
-        for name in ("ignore_index", "vocab_size", "chunk_size", "num_valid_tokens"):
+        for name in ("ignore_index", "vocab_size", "chunk_size", "num_valid_tokens", "shift_rows"):
             value = getattr(self, name)
             if value is not None and type(value) is not int:
                 object.__setattr__(self, name, int(value))

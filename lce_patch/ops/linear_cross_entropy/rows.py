@@ -259,6 +259,7 @@ def _triton_chunk_stats(
     target_raw: torch.Tensor | None,
     row_factor: torch.Tensor | None,
     class_smoothing: ClassSmoothing | None = None,
+    shard_target: torch.Tensor | None = None,
 ) -> None:
     rows, vocab_size = raw.shape
     placeholder = out.loss
@@ -294,6 +295,7 @@ def _triton_chunk_stats(
         class_smoothing.q if class_smoothing is not None else placeholder,
         class_smoothing.smoothing if class_smoothing is not None else placeholder,
         class_smoothing.z_loss if class_smoothing is not None else placeholder,
+        shard_target if shard_target is not None else placeholder,
         vocab_size,
         fixed_max=fixed_max if use_fixed_max else 0.0,
         HAS_EXACT_TARGET=target_raw is not None,
@@ -307,6 +309,7 @@ def _triton_chunk_stats(
         UNNORMALIZED_GRAD=unnormalized,
         PER_ROW_SCALE=grad_scale is not None and grad_scale.dim() == 1,
         WEIGHTED_SMOOTHING=class_smoothing is not None,
+        SHARD_PACK=shard_target is not None,
         BLOCK_V=block_v,
         LANE_GROUP=lane_group,
         MAX_REGROUP=_MAX_REGROUP if argmax and lane_group == 1 and block_v >= _MAX_REGROUP else 1,
@@ -351,6 +354,7 @@ def chunk_stats(
     target_raw: torch.Tensor | None = None,
     row_factor: torch.Tensor | None = None,
     class_smoothing: ClassSmoothing | None = None,
+    shard_target: torch.Tensor | None = None,
 ) -> None:
     """Fill ``out`` for the rows of ``raw`` [C, V]. With ``grad_scale`` (fp32, 0-d: the reduction factor; or
     [C]: each row's, token or class weights times it), overwrite ``raw`` in place with grad_scale * d(loss_row)/d(raw), zero for
@@ -361,7 +365,13 @@ def chunk_stats(
     A row whose valid label lies outside [0, V) (a vocabulary shard's row) gets a target logit of 0.
     ``class_smoothing`` (with ``transform.label_smoothing``): the class-weighted smoothing of the chunk's rows
     (:class:`ClassSmoothing`), whose per-row ``eps_y`` and ``zl_y`` replace the transform's ``label_smoothing``
-    and ``z_loss``; the row's factor ``f`` is then in ``grad_scale`` (and applied to the loss by the caller)."""
+    and ``z_loss``; the row's factor ``f`` is then in ``grad_scale`` (and applied to the loss by the caller).
+    ``shard_target`` (fp32 [C], Triton only, with ``target_raw`` and without ``grad_scale``): the rows a vocabulary
+    shard exchanges (vocab_parallel.py) in the same launch: ``out.loss`` then receives the local lse with the exact
+    target logit swapped in, ``shard_target`` the target's final logit where the shard owns the label (0
+    elsewhere), and ``out.mean_logit`` the sum of the shard's final logits instead of their mean."""
+    if shard_target is not None and (not use_triton or target_raw is None or grad_scale is not None):
+        raise ValueError("chunk_stats: shard_target is a Triton-only option that needs target_raw, not grad_scale")
     if transform.vocab_size is not None and transform.label_smoothing:
         raise ValueError(
             "chunk_stats: a vocabulary shard's smoothed loss is assembled across shards (vocab_parallel.py)"
@@ -369,7 +379,9 @@ def chunk_stats(
     if class_smoothing is not None and not transform.label_smoothing:
         raise ValueError("chunk_stats: class_smoothing needs label_smoothing")
     if use_triton:
-        _triton_chunk_stats(raw, labels, transform, out, grad_scale, target_raw, row_factor, class_smoothing)
+        _triton_chunk_stats(
+            raw, labels, transform, out, grad_scale, target_raw, row_factor, class_smoothing, shard_target
+        )
     else:
         if row_factor is not None:
             raise ValueError("chunk_stats: row_factor is a Triton-only option")

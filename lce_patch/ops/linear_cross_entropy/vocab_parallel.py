@@ -22,10 +22,10 @@ its dW (and dbias) shard from them, and its part ``G_r @ W_r`` of dh; one all-re
 sums dh's parts, so every rank gets the full gradient of its (replicated) hidden states.
 
 On the Triton path the label mapping is part of the op's one label launch (core/label_kernels.py), the
-packing of the block and the merge are one kernel launch each (vocab_parallel_kernels.py) and the
-exchange one ``all_gather_into_tensor`` into a preallocated buffer: each rank's GEMMs shrink with the
-group while this bookkeeping does not, and written as torch operations it kept the host, not the GPU,
-busy (about 25 launches per chunk).
+statistics kernel writes the exchanged block itself (its ``SHARD_PACK`` outputs), the merge is one launch
+(vocab_parallel_kernels.py) and the exchange one ``all_gather_into_tensor`` into a preallocated buffer:
+each rank's GEMMs shrink with the group while this bookkeeping does not, and written as torch operations
+it kept the host, not the GPU, busy (about 25 launches per chunk).
 
 No rank holds more than its ``[C, V_r]`` buffer of logits or more than its weight shard; the
 unfused tensor-parallel head instead gathers the whole ``[N, V]`` logits on every rank. FLOPs per rank:
@@ -111,32 +111,40 @@ def unwrap_dtensors(
         if isinstance(bias, DTensor):
             fail("the bias is a DTensor but the weight is not; shard both along the vocabulary, or neither")
         return hidden, weight, bias, labels, None
-    mesh_dim = _vocab_dim_of(weight.placements, "weight")
-    mesh = weight.device_mesh
     if bias is not None:
-        if not isinstance(bias, DTensor) or bias.placements != weight.placements or bias.device_mesh != mesh:
+        if (
+            not isinstance(bias, DTensor)
+            or bias.placements != weight.placements
+            or bias.device_mesh != weight.device_mesh
+        ):
             fail(f"the bias must be sharded like the weight (a DTensor with placements {weight.placements})")
         bias = bias.to_local()
-    shard = VocabShard(start=_shard_start(weight), total=int(weight.shape[0]), group=mesh.get_group(mesh_dim))
-    return hidden, weight.to_local(), bias, labels, shard
+    return hidden, weight.to_local(), bias, labels, _shard_of(weight)
 
 
-_SHARD_STARTS: dict[tuple, int] = {}
+# DTensor spec -> (that spec, its VocabShard). A head's weight keeps one spec object from step to step; the
+# spec is held so that its id cannot be reused by another while the entry exists.
+_SHARDS: dict[int, tuple[Any, VocabShard]] = {}
+_SHARDS_KEPT = 16
 
 
-def _shard_start(weight: Any) -> int:
-    """This rank's first vocabulary row of a vocab-sharded DTensor, worked out by DTensor (in Python, a
-    noticeable share of the op's host time) once per layout: shape, placements, mesh shape and this rank's
-    coordinate in it decide it."""
+def _shard_of(weight: Any) -> VocabShard:
+    """The :class:`VocabShard` of a vocab-sharded DTensor, worked out once per spec: DTensor's offset
+    computation and the mesh's group lookup, in Python, were a noticeable share of the op's host time."""
+    spec = weight._spec
+    cached = _SHARDS.get(id(spec))
+    if cached is not None and cached[0] is spec:
+        return cached[1]
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    mesh_dim = _vocab_dim_of(weight.placements, "weight")
     mesh = weight.device_mesh
-    key = (tuple(weight.shape), tuple(weight.placements), tuple(mesh.shape), tuple(mesh.get_coordinate() or ()))
-    start = _SHARD_STARTS.get(key)
-    if start is None:
-        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-        _, offset = compute_local_shape_and_global_offset(weight.shape, mesh, weight.placements)
-        start = _SHARD_STARTS[key] = int(offset[0])
-    return start
+    _, offset = compute_local_shape_and_global_offset(weight.shape, mesh, weight.placements)
+    shard = VocabShard(start=int(offset[0]), total=int(weight.shape[0]), group=mesh.get_group(mesh_dim))
+    if len(_SHARDS) >= _SHARDS_KEPT:  # specs made per call (not a parameter's): keep the cache small
+        _SHARDS.clear()
+    _SHARDS[id(spec)] = (spec, shard)
+    return shard
 
 
 def all_reduce_sum(tensor: torch.Tensor, shard: VocabShard) -> None:
@@ -195,9 +203,12 @@ class ShardRowPass:
         part = RowOutputs(
             loss=block[LOSS_LSE_ROW], lse=block[LSE_ROW], mean_logit=block[SUM_Z_ROW] if smoothing else None
         )
-        chunk_stats(raw, labels, self.local_transform, part, None, self.use_triton, target_raw)
+        if self.fused:  # the statistics kernel writes the exchanged rows itself
+            chunk_stats(raw, labels, self.local_transform, part, None, True, target_raw, shard_target=block[TARGET_ROW])
+        else:
+            chunk_stats(raw, labels, self.local_transform, part, None, self.use_triton, target_raw)
+            pack_block(block, labels, target_raw, local_vocab, self.transform)
         gathered = self.gathered[: self.world * 4 * rows]
-        pack_block(block, labels, target_raw, local_vocab, self.transform, self.fused)
         _all_gather_flat(gathered, block.view(-1), self.shard.group)
         merge_blocks(gathered.view(self.world, 4, rows), labels, out.loss, out.lse, self.transform, self.fused)
         if grad_scale is not None:  # the reduction factor, each row's (a 0-d one expanded: no copy)
@@ -206,29 +217,12 @@ class ShardRowPass:
 
 
 def pack_block(
-    block: torch.Tensor,
-    labels: torch.Tensor,
-    target_raw: torch.Tensor,
-    local_vocab: int,
-    transform: LogitTransform,
-    fused: bool,
+    block: torch.Tensor, labels: torch.Tensor, target_raw: torch.Tensor, local_vocab: int, transform: LogitTransform
 ) -> None:
-    """Turn the statistics kernel's local rows of ``block`` [4, C] (fp32, contiguous; see
-    :class:`ShardRowPass`) into the rows every rank exchanges, in place. ``labels`` [C]: shard ids;
-    ``target_raw`` [C] fp32: raw target logits. ``fused``: one Triton launch (CUDA, fp32)."""
+    """Turn the local rows of ``block`` [4, C] (see :class:`ShardRowPass`) that :func:`.rows.chunk_stats` filled
+    into the rows every rank exchanges, in place. ``labels`` [C]: shard ids; ``target_raw`` [C] fp32: raw
+    target logits. The torch form of the Triton statistics kernel's ``shard_target`` output."""
     smoothing = transform.label_smoothing != 0.0
-    if fused:
-        import triton
-
-        from .vocab_parallel_kernels import shard_pack_kernel
-
-        rows = block.shape[1]
-        shard_pack_kernel[(triton.cdiv(rows, _ROW_BLOCK),)](
-            block, labels, target_raw, rows, local_vocab, float(transform.logit_scale),
-            float(transform.softcap or 1.0), 1.0 / transform.temperature, HAS_SOFTCAP=transform.softcap is not None,
-            SMOOTHING=smoothing, BLOCK=_ROW_BLOCK,
-        )  # fmt: skip
-        return
     owned = (labels >= 0) & (labels < local_vocab)
     exact_z = torch.where(owned, final_logits(target_raw, transform)[0].to(block.dtype), 0.0)
     # Without smoothing or z-loss the local loss is (lse with the exact target swapped in) - z_y, and
