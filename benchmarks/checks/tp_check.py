@@ -26,7 +26,8 @@ step time. The loading (``--api``):
 Timing: ``--warmup`` steps per variant (default 3; compilation and autotuning stay out of the timed steps), then
 ``--steps`` timed steps of each variant (default 20), interleaved (unpatched, patched, patched, unpatched, ...) so
 that drift over the run reaches both alike, each bracketed by device synchronisations, Python's garbage collector
-run before each and held off during it (as ``timeit`` does: a collection's pause then lands in no timed step);
+run before each and held off during it (as ``timeit`` does: a collection's pause then lands in no timed step;
+what was alive before the timed steps is frozen out of the collector, so that each collection stays short);
 the median, min, p10,
 p90 and max per variant and rank, each step's time (the slowest rank's) and the ratio of the variants' medians
 with a 95% interval from a paired bootstrap over the steps: a host-bound step varies by 10-30% from step to step,
@@ -423,6 +424,10 @@ def time_interleaved(args, model, step, variants: list[str], device: torch.devic
     times = {variant: [] for variant in variants}
     peaks = dict.fromkeys(variants, 0)
     collecting = gc.isenabled()
+    # The objects alive now (the model, the libraries) are moved out of the collector's reach, so that the
+    # collection before each step walks only what the steps made (a full walk of a loaded process is slow).
+    gc.collect()
+    gc.freeze()
     for i in range(args.steps):
         for variant in variants if i % 2 == 0 else variants[::-1]:
             set_variant(model, variant)
@@ -442,6 +447,7 @@ def time_interleaved(args, model, step, variants: list[str], device: torch.devic
                     gc.enable()
             if cuda:
                 peaks[variant] = max(peaks[variant], torch.cuda.max_memory_allocated(device) - model_bytes)
+    gc.unfreeze()
     model.zero_grad(set_to_none=True)
     return {
         variant: {**timing_summary(times[variant]), "peak_mib": peaks[variant] / 2**20, "times_ms": times[variant]}
