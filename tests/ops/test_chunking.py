@@ -47,6 +47,51 @@ def test_default_chunks_with_a_folded_tail_give_the_reference_result(backend, op
     assert seen and all(chunks == ((0, 16), (16, 33)) for chunks in seen)  # 1 row folded into the last chunk
 
 
+def test_a_vocabulary_shard_takes_the_budget_once_per_rank():
+    from lce_patch.ops.core.chunking import default_chunk_rows
+
+    def rows(num_rows, vocab_rows, hidden_size, ranks):
+        return default_chunk_rows(num_rows, vocab_rows, torch.bfloat16, True, hidden_size, 132, budget_scale=ranks)
+
+    # Gemma-2-2B's head over 4 ranks (64,000 rows each), 3070 of 4096 rows with a label: two chunks of the plain
+    # budget (256 MiB: 2048 rows, evened to 1792 + 1278), one of four budgets; at 8192 tokens three, then one.
+    assert rows(3070, 64000, 2304, 1) == 1792 and rows(3070, 64000, 2304, 4) == 3070
+    assert rows(6142, 64000, 2304, 4) == 6142 and rows(6142, 64000, 2304, 1) < 6142 / 2
+    # Llama-3.2-1B's (32,064 rows a rank): one chunk at 4096 tokens either way, one at 16384 only with the scale
+    assert rows(3070, 32064, 2048, 1) == rows(3070, 32064, 2048, 4) == 3070
+    assert rows(12286, 32064, 2048, 4) == 12286 and rows(12286, 32064, 2048, 1) < 12286
+    # the buffer stays within the scaled budget, so past it the chunks come back
+    assert rows(30000, 64000, 2304, 4) * 64000 * 2 <= 4 * 256 * 2**20
+
+
+def _shard_chunk_scales(rank, world_size, backend):
+    from lce_patch import VocabShard
+    from lce_patch.ops.core import chunking
+    from lce_patch.ops.linear_cross_entropy import chunked
+
+    seen = []
+    real = chunking.resolve_chunks
+    chunked.resolve_chunks = lambda *args: seen.append(args[-1]) or real(*args)
+    try:
+        hidden = torch.randn(6, 8, requires_grad=True)
+        weight = torch.randn(20, 8, requires_grad=True)
+        labels = torch.tensor([0, 23, 39, -100, 25, 1])
+        shard = VocabShard(start=20 * rank, total=40, group=None)  # each of the 2 ranks holds 20 of the 40 rows
+        fused_linear_cross_entropy(hidden, weight, labels, vocab_shard=shard, backend=backend).backward()
+    finally:
+        chunked.resolve_chunks = real
+    assert seen == [world_size], seen  # the whole vocabulary (40) over the weight's rows (20)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_the_vocabulary_parallel_op_sizes_chunks_for_its_shard(backend):
+    """The op passes a shard's budget scale (the whole vocabulary over the weight's rows) to the chunk policy."""
+    from tests.multiprocess import run_ranks
+
+    run_ranks(_shard_chunk_scales, 2, backend)
+
+
 def test_default_chunk_rows_fill_the_gpu_for_thin_hidden_sizes():
     from lce_patch.ops.core.chunking import default_chunk_rows
 

@@ -279,7 +279,9 @@ def _chunked_forward(
     device = hidden.device
     want_entropy, want_top1, want_mean_logit, want_log_sum_sq, want_lse, want_predicted = options.want
     any_grad = options.any_grad
-    chunks = resolve_chunks(options.chunk_size, num_rows, hidden, weight, use_triton, any_grad)
+    # A shard's chunks take the budget once per rank (core/chunking.py says why): fewer chunks, fewer launches.
+    shard_ranks = 1 if shard is None else max(1, shard.total // max(vocab_size, 1))
+    chunks = resolve_chunks(options.chunk_size, num_rows, hidden, weight, use_triton, any_grad, shard_ranks)
     scalar_loss = reduce_scale is not None
     # Per-token outputs with precompute_grad: the gradient of sum(loss) / n_valid is computed now
     # (6*N*V*D FLOPs), and the backward uses it when the upstream gradient turns out uniform.
