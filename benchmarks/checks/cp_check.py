@@ -45,6 +45,7 @@ import copy
 import json
 import os
 import platform
+import shutil
 import sys
 import tempfile
 import time
@@ -396,7 +397,10 @@ def run_trainer(base, dataset, args, world: int) -> dict[str, Any]:
     )
     CALLS.clear()
     TARGETS.clear()
-    trainer.train()
+    try:
+        trainer.train()
+    finally:
+        shutil.rmtree(out_dir, ignore_errors=True)  # nothing is saved there (save_strategy "no")
     accelerator = trainer.accelerator
     state = gather_state(accelerator, trainer.model_wrapped)
     mine = {
