@@ -64,7 +64,9 @@ def test_a_vocabulary_shard_takes_the_budget_once_per_rank():
     assert rows(30000, 64000, 2304, 4) * 64000 * 2 <= 4 * 256 * 2**20
 
 
-def _shard_chunk_scales(rank, world_size, backend):
+def _shard_chunk_plans(rank, world_size, backend):
+    import torch.distributed as dist
+
     from lce_patch import VocabShard
     from lce_patch.ops.core import chunking
     from lce_patch.ops.linear_cross_entropy import chunked
@@ -73,23 +75,34 @@ def _shard_chunk_scales(rank, world_size, backend):
     real = chunking.resolve_chunks
     chunked.resolve_chunks = lambda *args: seen.append(args[-1]) or real(*args)
     try:
+        total = 40
+        bounds = [round(total * r / world_size) for r in range(world_size + 1)]  # 3 ranks: 13, 14, 13 rows
+        start, stop = bounds[rank], bounds[rank + 1]
         hidden = torch.randn(6, 8, requires_grad=True)
-        weight = torch.randn(20, 8, requires_grad=True)
+        weight = torch.randn(stop - start, 8, requires_grad=True)
         labels = torch.tensor([0, 23, 39, -100, 25, 1])
-        shard = VocabShard(start=20 * rank, total=40, group=None)  # each of the 2 ranks holds 20 of the 40 rows
+        shard = VocabShard(start=start, total=total, group=None)
         fused_linear_cross_entropy(hidden, weight, labels, vocab_shard=shard, backend=backend).backward()
+        with torch.no_grad():  # evaluation of a trainable weight plans with its spare bytes: the same on every rank
+            fused_linear_cross_entropy(hidden, weight, labels, vocab_shard=shard, backend=backend)
     finally:
         chunked.resolve_chunks = real
-    assert seen == [world_size], seen  # the whole vocabulary (40) over the weight's rows (20)
+    largest = -(-total // world_size)
+    assert seen == [(largest, world_size)] * 2, seen
+    plans = [None] * world_size
+    dist.all_gather_object(plans, seen)
+    assert all(plan == seen for plan in plans)
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("world_size", [2, 3])
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_the_vocabulary_parallel_op_sizes_chunks_for_its_shard(backend):
-    """The op passes a shard's budget scale (the whole vocabulary over the weight's rows) to the chunk policy."""
+def test_every_rank_of_a_vocabulary_shard_plans_the_same_chunks(backend, world_size):
+    """The op plans a shard's chunks for the group's largest shard (uneven shards included: each chunk exchanges
+    statistics, so the ranks' chunks must agree) with the budget once per rank."""
     from tests.multiprocess import run_ranks
 
-    run_ranks(_shard_chunk_scales, 2, backend)
+    run_ranks(_shard_chunk_plans, world_size, backend)
 
 
 def test_default_chunk_rows_fill_the_gpu_for_thin_hidden_sizes():

@@ -54,7 +54,8 @@ TAIL_FOLD_FRACTION = 8
 _TORCH_TEMPORARIES_PER_LOGIT = 16
 TORCH_LOGITS_BUDGET_BYTES = 32 * 1024 * 1024
 # A vocabulary shard (tensor parallelism, R ranks) gets the budget R times over, so that its [C, V / R]
-# buffer holds as many rows as a [C, V] buffer of R budgets would. Each chunk costs the host a fixed ~10
+# buffer holds as many rows as a [C, V] buffer of R budgets would. (Every rank plans for the group's largest
+# shard: each chunk exchanges statistics across the group, so all ranks must run the same chunks.) Each chunk costs the host a fixed ~10
 # launches and two collectives whatever its size, and a tensor-parallel step of a small model is bound by
 # the host: on four H100s (2026-11-28) the Gemma-2-2B head at 4096 tokens (a 64,000-row shard) ran in two
 # chunks of the plain budget and its TP 4 step measured 1.02-1.03x the unfused head's, where the Llama-3.2-1B
@@ -154,19 +155,23 @@ def resolve_chunks(
     weight: torch.Tensor,
     use_triton: bool,
     any_grad: bool,
-    budget_scale: int = 1,
+    shard_plan: tuple[int, int] | None = None,
 ) -> tuple[tuple[int, int], ...]:
     """The (start, stop) row spans of the chunks over ``processed_rows`` rows: ``chunk_size`` rows
     each, or :func:`default_chunk_rows`'s with a short remainder folded into the last chunk.
-    ``budget_scale``: a vocabulary shard's group size (the whole vocabulary over the weight's rows)."""
+
+    ``shard_plan``: for a vocabulary shard, (the group's largest shard's rows, the group's size). Every rank
+    then plans for the same rows, so that all ranks run the same chunks (each chunk exchanges statistics across
+    the group), and the budget counts once per rank."""
     if chunk_size is not None:
         return chunk_spans(processed_rows, chunk_size)
     num_sms = sm_count(hidden)
+    vocab_rows, budget_scale = shard_plan if shard_plan is not None else (weight.shape[0], 1)
     # Evaluation of a trainable W: the buffer may take the bytes its dW would have taken.
-    spare = weight.numel() * weight.element_size() if weight.requires_grad and not any_grad else 0
+    spare = vocab_rows * weight.shape[1] * weight.element_size() if weight.requires_grad and not any_grad else 0
     rows = default_chunk_rows(
         processed_rows,
-        weight.shape[0],
+        vocab_rows,
         hidden.dtype,
         use_triton,
         hidden_size=hidden.shape[-1],

@@ -52,7 +52,7 @@ from ..core.labels import LabelShard, prepare_labels
 from ..core.reduction import loss_scale
 from .options import OP_NAME, CrossEntropyOptions
 from .rows import ClassSmoothing, RowOutputs, chunk_grad, chunk_stats, target_logits, unnormalized_grad_applies
-from .vocab_parallel import ShardRowPass, all_reduce_sum
+from .vocab_parallel import ShardRowPass, all_reduce_sum, group_size
 
 
 def _gather_buffer(
@@ -279,9 +279,12 @@ def _chunked_forward(
     device = hidden.device
     want_entropy, want_top1, want_mean_logit, want_log_sum_sq, want_lse, want_predicted = options.want
     any_grad = options.any_grad
-    # A shard's chunks take the budget once per rank (core/chunking.py says why): fewer chunks, fewer launches.
-    shard_ranks = 1 if shard is None else max(1, shard.total // max(vocab_size, 1))
-    chunks = resolve_chunks(options.chunk_size, num_rows, hidden, weight, use_triton, any_grad, shard_ranks)
+    # Every rank of a shard's group plans the same chunks, with the budget once per rank (core/chunking.py).
+    shard_plan = None
+    if shard is not None:
+        ranks = group_size(shard)
+        shard_plan = (-(-shard.total // ranks), ranks)
+    chunks = resolve_chunks(options.chunk_size, num_rows, hidden, weight, use_triton, any_grad, shard_plan)
     scalar_loss = reduce_scale is not None
     # Per-token outputs with precompute_grad: the gradient of sum(loss) / n_valid is computed now
     # (6*N*V*D FLOPs), and the backward uses it when the upstream gradient turns out uniform.

@@ -147,6 +147,13 @@ def _shard_of(weight: Any) -> VocabShard:
     return shard
 
 
+def group_size(shard: VocabShard) -> int:
+    """The number of ranks the vocabulary is split over."""
+    import torch.distributed as dist
+
+    return dist.get_world_size(shard.group)
+
+
 def all_reduce_sum(tensor: torch.Tensor, shard: VocabShard) -> None:
     import torch.distributed as dist
 
@@ -169,14 +176,12 @@ class ShardRowPass:
     def __init__(
         self, shard: VocabShard, transform: LogitTransform, max_rows: int, use_triton: bool, dtype, device
     ) -> None:
-        import torch.distributed as dist
-
         self.shard = shard
         self.transform = transform
         self.use_triton = use_triton
         # Statistics of the shard alone: no smoothing or z-loss, which need the merged values.
         self.local_transform = replace_checked_fields(transform, label_smoothing=0.0, z_loss=0.0, vocab_size=None)
-        self.world = dist.get_world_size(shard.group)
+        self.world = group_size(shard)
         acc_dtype = stats_dtype(dtype)
         # Flat, so that a chunk's [4, C] block and the gathered [R, 4, C] are contiguous for any C. Every row
         # that is read is written first (the smoothing row only with smoothing): no fill needed.
