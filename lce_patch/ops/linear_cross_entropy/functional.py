@@ -248,7 +248,8 @@ def fused_linear_cross_entropy(
             in the compute dtype. Default: 256 MiB of logits, at least 1024 tokens on the Triton
             path (GEMM efficiency; more for a thin D, so the dh GEMM fills the GPU), and at least
             N/16 tokens in bf16 (bounds dW's roundings); without gradients, a trainable weight's
-            chunk also takes the bytes of the dW it does not hold (never above a training step).
+            chunk also takes the bytes of the dW it does not hold (never above a training step); a
+            vocabulary shard's budget is once per rank of its group (fewer chunks under tensor parallelism).
         deterministic: accepted for clarity; both backends are deterministic already (no atomics,
             fixed reduction order), so it costs nothing.
         skip_ignored: run the matmuls on the non-ignored tokens only (gathered chunk by chunk), so
