@@ -23,7 +23,7 @@ waits for: the GPU part of a Llama-3.2-1B head at 4096 tokens on one of four ran
 * at the end: the count, the reduction's factor (1 / count for "mean", 1 for "sum", 1 / num_items with
   ``num_items_in_batch``; 0 when that is 0), three flags (labels in range, count equal to ``expected``,
   ``num_items_in_batch`` finite and > 0, or 0 with no valid label) and a fourth that holds when every check
-  the call asked for does (the count only with ``CHECK_COUNT``), which the caller turns into one
+  the call asked for does (the count only with ``check_count``), which the caller turns into one
   asynchronous device assert: each assert is a launch of its own.
 
 With ``SHIFT`` the labels are read shifted within rows of ``shift_rows`` labels, as a causal LM's loss wants
