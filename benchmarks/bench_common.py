@@ -32,6 +32,8 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))  # lce_patch from this checkout, not an installed copy
 
 IGNORE = -100
+# The CUDA runtime and driver calls that launch a kernel, as torch.profiler names them (launch counts).
+CUDA_LAUNCH_CALLS = frozenset({"cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx"})
 
 
 def set_exact_fp32() -> None:

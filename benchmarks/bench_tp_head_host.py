@@ -45,7 +45,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from bench_common import env_info  # noqa: E402
+from bench_common import CUDA_LAUNCH_CALLS, env_info  # noqa: E402
 
 from lce_patch import VocabShard, fused_linear_cross_entropy  # noqa: E402
 
@@ -89,9 +89,8 @@ def profile_counts(step, cuda: bool) -> dict:
         if cuda:
             torch.cuda.synchronize()
     events = prof.key_averages()
-    launch_names = ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC")
     return {
-        "launches": sum(e.count for e in events if e.key in launch_names),
+        "launches": sum(e.count for e in events if e.key in CUDA_LAUNCH_CALLS),
         "memcpy": sum(e.count for e in events if e.key.startswith("cuda") and "Memcpy" in e.key),
         "syncs": sum(e.count for e in events if "Synchronize" in e.key),
         "gpu_ms": sum(e.self_device_time_total for e in events if e.device_type.name == "CUDA") / 1e3 if cuda else 0.0,

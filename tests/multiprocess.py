@@ -39,6 +39,11 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def torchrun_args(processes: int) -> list[str]:
+    """``python -m torch.distributed.run --nproc_per_node N`` on a port of its own (see :func:`accelerate_launch_args`)."""
+    return ["-m", "torch.distributed.run", "--nproc_per_node", str(processes), "--master_port", str(free_port())]
+
+
 def accelerate_launch_args(config) -> list[str]:
     """``python -m accelerate.commands.launch --config_file CONFIG`` on a port of its own: two launches of the
     default port (29500) from tests running side by side would meet in one rendezvous."""

@@ -28,8 +28,7 @@ Timing: ``--warmup`` steps per variant (default 3; compilation and autotuning st
 that drift over the run reaches both alike, each bracketed by device synchronisations, Python's garbage collector
 run before each and held off during it (as ``timeit`` does: a collection's pause then lands in no timed step;
 what was alive before the timed steps is frozen out of the collector, so that each collection stays short);
-the median, min, p10,
-p90 and max per variant and rank, each step's time (the slowest rank's) and the ratio of the variants' medians
+the median, min, p10, p90 and max per variant and rank, each step's time (the slowest rank's) and the ratio of the variants' medians
 with a 95% interval from a paired bootstrap over the steps: a host-bound step varies by 10-30% from step to step,
 so a ratio whose interval holds 1 is a tie at that many steps (100 steps give an interval of about +-5% on the
 H100 hosts measured). ``--tokens`` takes several counts (``--sweep``: 4096 8192 16384 32768),
@@ -72,7 +71,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))  # bench_common, in benchmarks/
 
-from bench_common import git_revision, rel_err, rel_l2  # noqa: E402
+from bench_common import CUDA_LAUNCH_CALLS, git_revision, rel_err, rel_l2  # noqa: E402
 
 import lce_patch  # noqa: E402
 import lce_patch.models.forward as lce_forward  # noqa: E402
@@ -310,7 +309,6 @@ def timing_summary(times: list[float]) -> dict:
     }
 
 
-_LAUNCHES = {"cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx"}
 _SYNCS = {"cudaDeviceSynchronize", "cudaStreamSynchronize", "cudaEventSynchronize"}
 
 
@@ -328,7 +326,7 @@ def step_work(trace: dict) -> dict:
     return {
         "host_ms": (end - start) / 1e3,
         "cpu_ops": len(ops),
-        "launches": sum(e["name"] in _LAUNCHES for e in runtime),
+        "launches": sum(e["name"] in CUDA_LAUNCH_CALLS for e in runtime),
         "gpu_busy_ms": sum(e["dur"] for e in kernels) / 1e3,
         # inside the step (the profiler's own synchronisation after it is not the step's)
         "syncs": sum(e["name"] in _SYNCS and start <= e["ts"] <= end for e in runtime),
@@ -428,26 +426,28 @@ def time_interleaved(args, model, step, variants: list[str], device: torch.devic
     # collection before each step walks only what the steps made (a full walk of a loaded process is slow).
     gc.collect()
     gc.freeze()
-    for i in range(args.steps):
-        for variant in variants if i % 2 == 0 else variants[::-1]:
-            set_variant(model, variant)
-            if cuda:
-                torch.cuda.synchronize(device)
-                torch.cuda.reset_peak_memory_stats(device)
-            gc.collect()
-            gc.disable()
-            try:
-                start = time.perf_counter()
-                step()
+    try:
+        for i in range(args.steps):
+            for variant in variants if i % 2 == 0 else variants[::-1]:
+                set_variant(model, variant)
                 if cuda:
                     torch.cuda.synchronize(device)
-                times[variant].append(1e3 * (time.perf_counter() - start))
-            finally:
-                if collecting:
-                    gc.enable()
-            if cuda:
-                peaks[variant] = max(peaks[variant], torch.cuda.max_memory_allocated(device) - model_bytes)
-    gc.unfreeze()
+                    torch.cuda.reset_peak_memory_stats(device)
+                gc.collect()
+                gc.disable()
+                try:
+                    start = time.perf_counter()
+                    step()
+                    if cuda:
+                        torch.cuda.synchronize(device)
+                    times[variant].append(1e3 * (time.perf_counter() - start))
+                finally:
+                    if collecting:
+                        gc.enable()
+                if cuda:
+                    peaks[variant] = max(peaks[variant], torch.cuda.max_memory_allocated(device) - model_bytes)
+    finally:
+        gc.unfreeze()
     model.zero_grad(set_to_none=True)
     return {
         variant: {**timing_summary(times[variant]), "peak_mib": peaks[variant] / 2**20, "times_ms": times[variant]}

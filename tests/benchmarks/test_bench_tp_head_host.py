@@ -17,11 +17,11 @@ BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 @pytest.mark.slow
 @pytest.mark.parametrize("processes", [1, 2])
 def test_runs_on_cpu_processes(tmp_path, processes):
-    from tests.multiprocess import free_port
+    from tests.multiprocess import torchrun_args
 
     env = {**os.environ, "PYTHONPATH": str(BENCHMARKS.parent)}
     env.pop("TRITON_INTERPRET", None)  # CPU runs take the torch backend, as a user's would
-    launch = ["-m", "torch.distributed.run", "--nproc_per_node", str(processes), "--master_port", str(free_port())]
+    launch = torchrun_args(processes)
     args = ["bench_tp_head_host.py", "--cpu", "--shapes", "gemma2-2b", "--tokens", "48", "--warmup", "1"]
     result = subprocess.run(
         [sys.executable, *launch, *args, "--steps", "2", "--out", str(tmp_path)],

@@ -22,11 +22,11 @@ def test_help():
 
 @pytest.mark.slow
 def test_runs_on_two_cpu_processes(tmp_path):
-    from tests.multiprocess import free_port
+    from tests.multiprocess import torchrun_args
 
     env = {**os.environ, "PYTHONPATH": str(BENCHMARKS.parent)}
     env.pop("TRITON_INTERPRET", None)  # CPU runs take the torch backend, as a user's would
-    launch = ["-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port())]
+    launch = torchrun_args(2)
     args = ["bench_vocab_parallel.py", "--cpu", "--shapes", "gemma2-2b", "--tokens", "48", "--warmup", "1"]
     result = subprocess.run(
         [sys.executable, *launch, *args, "--steps", "2", "--out", str(tmp_path)],

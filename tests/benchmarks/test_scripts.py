@@ -178,10 +178,10 @@ def test_tp_check_on_cpu(part, arch, processes, extra, layout, tmp_path):
     # The tensor-parallel check's two parts on CPU processes (gloo, tiny shapes, fp32), so that the script is
     # known to run before its GPU runs: the op part, and the model part loaded each way (tp_plan="auto",
     # DistributedConfig with tensor parallelism, FSDP2, both), patched vs unpatched vs one process.
-    from tests.multiprocess import free_port
+    from tests.multiprocess import torchrun_args
 
     def launch_check() -> subprocess.CompletedProcess:
-        launch = ["-m", "torch.distributed.run", "--nproc_per_node", str(processes), "--master_port", str(free_port())]
+        launch = torchrun_args(processes)
         args = ["checks/tp_check.py", "--cpu", "--part", part, "--arch", arch, "--warmup", "2", "--steps", "3"]
         options = []
         for option in extra:  # --profile writes into this test's folder

@@ -44,7 +44,7 @@ from typing import NamedTuple
 
 import torch
 
-from ..core.backend import stats_dtype
+from ..core.backend import cdiv, stats_dtype
 from ..core.checks import check_weights
 from ..core.chunking import buffer_rows, resolve_chunks
 from ..core.grads import GradAccumulator, LowRank, fp32_output_gemm_available, logits_into
@@ -283,7 +283,7 @@ def _chunked_forward(
     shard_plan = None
     if shard is not None:
         ranks = group_size(shard)
-        shard_plan = (-(-shard.total // ranks), ranks)
+        shard_plan = (cdiv(shard.total, ranks), ranks)
     chunks = resolve_chunks(options.chunk_size, num_rows, hidden, weight, use_triton, any_grad, shard_plan)
     scalar_loss = reduce_scale is not None
     # Per-token outputs with precompute_grad: the gradient of sum(loss) / n_valid is computed now
