@@ -25,7 +25,9 @@ step time. The loading (``--api``):
 
 Timing: ``--warmup`` steps per variant (default 3; compilation and autotuning stay out of the timed steps), then
 ``--steps`` timed steps of each variant (default 20), interleaved (unpatched, patched, patched, unpatched, ...) so
-that drift over the run reaches both alike, each bracketed by device synchronisations, Python's garbage collector
+that drift over the run reaches both alike, each started on every rank together (a barrier: otherwise a rank
+that finished the untimed setup sooner times its wait for the others in the step's first collective) and
+bracketed by device synchronisations, Python's garbage collector
 run before each and held off during it (as ``timeit`` does: a collection's pause then lands in no timed step;
 what was alive before the timed steps is frozen out of the collector, so that each collection stays short);
 the median, min, p10, p90 and max per variant and rank, each step's time (the slowest rank's) and the ratio of the variants' medians
@@ -415,8 +417,8 @@ def set_variant(model, variant: str) -> None:
 
 def time_interleaved(args, model, step, variants: list[str], device: torch.device, model_bytes: int) -> dict:
     """``--steps`` timed steps of each variant, alternating (A B, B A, A B, ...) so that drift of the host or the
-    GPU clocks over the run reaches both alike; each step bracketed by device synchronisations, with the garbage
-    collector run before it and paused during it. Per variant:
+    GPU clocks over the run reaches both alike; each step started on every rank together (a barrier) and
+    bracketed by device synchronisations, with the garbage collector run before it and paused during it. Per variant:
     the timing summary and the peak memory above the model over its timed steps."""
     cuda = device.type == "cuda"
     times = {variant: [] for variant in variants}
@@ -434,6 +436,12 @@ def time_interleaved(args, model, step, variants: list[str], device: torch.devic
                     torch.cuda.synchronize(device)
                     torch.cuda.reset_peak_memory_stats(device)
                 gc.collect()
+                # Every rank starts the step together: a rank that set up sooner would otherwise wait for the
+                # others inside the step's first collective, timing their setup (the variant switch, the
+                # collection) as its own step.
+                dist.barrier()
+                if cuda:
+                    torch.cuda.synchronize(device)
                 gc.disable()
                 try:
                     start = time.perf_counter()
