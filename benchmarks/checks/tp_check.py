@@ -80,8 +80,23 @@ import lce_patch.models.forward as lce_forward  # noqa: E402
 from lce_patch import VocabShard, fused_linear_cross_entropy  # noqa: E402
 
 SHAPES = {
-    "llama": dict(hidden=2048, vocab=128256, softcap=None, heads=32, kv_heads=8, intermediate=8192),
-    "gemma2": dict(hidden=2304, vocab=256000, softcap=30.0, heads=8, kv_heads=4, intermediate=9216),
+    "llama": dict(
+        model_type="llama", tied=True, hidden=2048, vocab=128256, softcap=None, heads=32, kv_heads=8, intermediate=8192
+    ),
+    "gemma2": dict(
+        model_type="gemma2", tied=True, hidden=2304, vocab=256000, softcap=30.0, heads=8, kv_heads=4, intermediate=9216
+    ),
+    # Llama-3.1-8B's layer and head shapes (the multi-GPU benchmark's model, untied head), --layers of them
+    "llama8b": dict(
+        model_type="llama",
+        tied=False,
+        hidden=4096,
+        vocab=128256,
+        softcap=None,
+        heads=32,
+        kv_heads=8,
+        intermediate=14336,
+    ),
 }
 # --cpu: the same checks on a tiny shape over gloo, in fp32 (a smoke test of the script; CI runs it).
 TINY = dict(hidden=64, vocab=509, heads=4, kv_heads=2, intermediate=128)
@@ -228,7 +243,7 @@ def check_op(args, tokens: int, rank: int, world: int, device: torch.device) -> 
 
 # ------------------------------------------------------------------------------------------------ model part
 def save_model(args, rank: int) -> Path:
-    """The model of ``--arch``'s shape, saved once by rank 0 (random weights, tied head)."""
+    """The model of ``--arch``'s shape, saved once by rank 0 (random weights)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     shape = shape_of(args)
@@ -238,14 +253,14 @@ def save_model(args, rank: int) -> Path:
         if args.arch == "gemma2":
             extra = dict(final_logit_softcapping=shape["softcap"], head_dim=16 if args.cpu else 256)
         config = AutoConfig.for_model(
-            args.arch,
+            shape["model_type"],
             vocab_size=shape["vocab"],
             hidden_size=shape["hidden"],
             intermediate_size=shape["intermediate"],
             num_hidden_layers=args.layers,
             num_attention_heads=shape["heads"],
             num_key_value_heads=shape["kv_heads"],
-            tie_word_embeddings=True,
+            tie_word_embeddings=shape["tied"],
             **extra,
         )
         torch.manual_seed(0)
