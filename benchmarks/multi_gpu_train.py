@@ -130,8 +130,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--seq-len", type=int, default=8192, help="tokens per sequence (8192, 32768)")
     parser.add_argument("--batch", type=int, default=1, help="micro-batch: sequences per data-parallel rank and step")
-    parser.add_argument("--warmup", type=int, default=2, help="steps not timed")
-    parser.add_argument("--steps", type=int, default=4, help="timed steps after the warm-up")
+    parser.add_argument("--warmup", type=int, default=3, help="steps not timed")
+    parser.add_argument("--steps", type=int, default=6, help="timed steps after the warm-up")
     parser.add_argument("--layers", type=int, default=None, help="truncate the model to N decoder layers")
     parser.add_argument("--prompt-fraction", type=float, default=0.5, help="mean masked (-100) leading fraction")
     parser.add_argument(

@@ -9,6 +9,10 @@ are this script's output on the committed four-H100 runs (FSDP2, and TP 2 x FSDP
 
     python benchmarks/plot_multi_gpu.py                     # the default results -> docs/assets/multi-gpu-benchmark.{png,md}
     python benchmarks/plot_multi_gpu.py --results A.json B.json --out chart.png
+    python benchmarks/plot_multi_gpu.py --results A.json B1.json+B2.json+B3.json   # B: one method per launch
+
+Launches joined with ``+`` make one column: a setup whose methods each ran in a launch of their own (DeepSpeed
+ZeRO-3 on GPUs, see multi_gpu_train.py), the same engine, GPUs, model and sequence length in each.
 """
 
 from __future__ import annotations
@@ -20,16 +24,23 @@ import textwrap
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-DEFAULT_RESULTS = tuple(
-    REPO / "benchmarks" / "results" / f"2026-11-27_4xh100_multi_gpu_train_{cell}.json"
-    for cell in (
-        "fsdp2_llama-3.1-8b_8192",
-        "fsdp2_qwen2.5-7b_8192",
-        "fsdp2_gemma-2-9b_8192",
-        "fsdp2_llama-3.1-8b_32768",
-        "fsdp2_llama-3.1-8b-lora_8192",
-        "tp2xfsdp2_llama-3.1-8b_8192",
-    )
+_RESULTS = REPO / "benchmarks" / "results"
+_ZERO3 = ("lce_patch", "unpatched", "liger_fused_loss", "trl_fused_head", "liger_kernels+lce_patch")
+# A column per entry: one launch's JSON, or a tuple of launches that make one column (one method each).
+DEFAULT_RESULTS: tuple[Path | tuple[Path, ...], ...] = (
+    *(
+        _RESULTS / f"2026-11-27_4xh100_multi_gpu_train_{cell}.json"
+        for cell in (
+            "fsdp2_llama-3.1-8b_8192",
+            "fsdp2_qwen2.5-7b_8192",
+            "fsdp2_gemma-2-9b_8192",
+            "fsdp2_llama-3.1-8b_32768",
+            "fsdp2_llama-3.1-8b-lora_8192",
+        )
+    ),
+    tuple(_RESULTS / f"2026-11-28_4xh100_multi_gpu_train_zero3_llama-3.1-8b_8192_{m}_64453c6.json" for m in _ZERO3),
+    _RESULTS / "2026-11-27_4xh100_multi_gpu_train_tp2xfsdp2_llama-3.1-8b_8192.json",
+    _RESULTS / "2026-11-28_4xh100_multi_gpu_train_tp4_llama-3.1-8b_8192_run2_64453c6.json",
 )
 DEFAULT_OUT = REPO / "docs" / "assets" / "multi-gpu-benchmark.png"
 # Methods in the order drawn, with their labels; a method not named here follows them under its own name.
@@ -59,20 +70,57 @@ FAILED = "#b2182b"
 LEFT_MARK = "†"  # a method that started with memory an earlier method of its launch left allocated
 
 
-def load_runs(paths: list[Path] | tuple[Path, ...]) -> list[dict]:
-    """The reports of ``multi_gpu_train.py`` launches, in the order given."""
-    if not paths:
+def _read(path: Path) -> dict:
+    try:
+        report = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as error:
+        raise SystemExit(f"{path}: cannot read a multi_gpu_train.py report ({error})") from None
+    missing = [key for key in REQUIRED if key not in report]
+    if missing:
+        raise SystemExit(f"{path}: not a multi_gpu_train.py report (no {', '.join(missing)})")
+    return report
+
+
+# What the launches of one column must share; the other facts (commit, steps, date) are joined where they differ.
+SAME_SETUP = ("engine", "world_size", "device", "model", "layers", "seq_len", "micro_batch")
+
+
+def merge_launches(reports: list[dict], paths: list[Path]) -> dict:
+    """One column from launches of one setup that ran different methods: the first report with every launch's
+    methods. A setup fact that differs between them, or a method in two of them, is an error."""
+    merged = {**reports[0], "methods": {}}
+    for report, path in zip(reports, paths, strict=True):
+        differ = [key for key in SAME_SETUP if report.get(key) != reports[0].get(key)]
+        if differ:
+            raise SystemExit(f"{path}: not the setup of {paths[0]} ({', '.join(differ)} differ): not one column")
+        twice = sorted(set(report["methods"]) & set(merged["methods"]))
+        if twice:
+            raise SystemExit(f"{path}: {', '.join(twice)} already in an earlier launch of its column")
+        merged["methods"].update(report["methods"])
+    for key in ("git", "timed_steps", "date"):
+        values = list(dict.fromkeys(str(report.get(key)) for report in reports if report.get(key) is not None))
+        if len(values) > 1:
+            merged[key] = " / ".join(values)
+    merged["launches"] = len(reports)
+    return merged
+
+
+def _column_paths(column: Path | str | tuple[Path, ...]) -> list[Path]:
+    if isinstance(column, tuple | list):
+        return [Path(path) for path in column]
+    return [Path(part) for part in str(column).split("+")]
+
+
+def load_runs(columns: list | tuple) -> list[dict]:
+    """A report per column, in the order given: a ``multi_gpu_train.py`` launch's, or several launches' of one
+    setup merged (a tuple of paths, or paths joined with ``+``)."""
+    if not columns:
         raise SystemExit("no results files given")
     runs = []
-    for path in paths:
-        try:
-            report = json.loads(Path(path).read_text())
-        except (OSError, json.JSONDecodeError) as error:
-            raise SystemExit(f"{path}: cannot read a multi_gpu_train.py report ({error})") from None
-        missing = [key for key in REQUIRED if key not in report]
-        if missing:
-            raise SystemExit(f"{path}: not a multi_gpu_train.py report (no {', '.join(missing)})")
-        runs.append(report)
+    for column in columns:
+        paths = _column_paths(column)
+        reports = [_read(path) for path in paths]
+        runs.append(reports[0] if len(reports) == 1 else merge_launches(reports, paths))
     return runs
 
 
@@ -139,7 +187,7 @@ def _facts(run: dict) -> dict[str, str]:
         "steps": str(run.get("timed_steps") or ""),
         "versions": ", ".join(f"{name} {versions[name]}" for name in VERSIONS if versions.get(name)),
         "date": str(run.get("date", "")).split(" ")[0],
-        "commit": str(run.get("git") or ""),
+        "commit": re.sub(r"\b([0-9a-f]{7})[0-9a-f]{33}\b", r"\1", str(run.get("git") or "")),
     }
     return {key: value for key, value in facts.items() if value}
 
@@ -197,7 +245,7 @@ def plot(runs: list[dict], out: Path) -> None:
 
     methods, cells = _methods(runs), _cells(runs)
     shared, own = _shared_and_own(runs)
-    nrows = -(-len(runs) // 4)
+    nrows = -(-len(runs) // 3)  # at most three panels a row: a panel's title lines then fit its width
     ncols = -(-len(runs) // nrows)
     # 10 inches wide: at the documentation's ~700 px column a 10-12 pt label is 10-12 px tall.
     plt.rcParams.update({"font.size": 11, "axes.titlesize": 11})
@@ -253,7 +301,8 @@ def plot(runs: list[dict], out: Path) -> None:
             )
         ax.set_xlim(0, top * 1.55)
         ax.set_ylim(ys[-1] - 0.6, ys[0] + 0.6)
-        title = [cell.replace(", ", "\n", 1), *(textwrap.fill(fact, 30) for fact in own[index])]
+        name, _, rest = cell.partition(", ")
+        title = [name, textwrap.fill(rest, 32), *(textwrap.fill(fact, 30) for fact in own[index])]
         ax.set_title("\n".join(title), fontsize=10.5)
         ax.xaxis.set_major_locator(MaxNLocator(nbins=3, steps=[1, 2, 2.5, 5, 10]))
         ax.tick_params(axis="both", length=0, labelsize=9.5)
@@ -344,11 +393,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument(
         "--results",
-        type=Path,
         nargs="+",
         default=list(DEFAULT_RESULTS),
-        help="multi_gpu_train.py JSON files, a panel and a column each, in this order (default: the committed "
-        "four-H100 FSDP2 and TP 2 x FSDP2 2 runs)",
+        help="multi_gpu_train.py JSON files, a panel and a column each, in this order; A.json+B.json makes one "
+        "column of launches of one setup (default: the committed four-H100 runs)",
     )
     parser.add_argument(
         "--out", type=Path, default=DEFAULT_OUT, help="PNG to write; the table goes beside it (default: %(default)s)"
@@ -356,7 +404,8 @@ def main() -> None:
     args = parser.parse_args()
     runs = load_runs(args.results)
     plot(runs, args.out)
-    args.out.with_suffix(".md").write_text(table(runs, [_source(path) for path in args.results]))
+    sources = [" + ".join(_source(path) for path in _column_paths(column)) for column in args.results]
+    args.out.with_suffix(".md").write_text(table(runs, sources))
     print(f"wrote {args.out} and {args.out.with_suffix('.md')}")
 
 

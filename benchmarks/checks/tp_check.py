@@ -242,8 +242,9 @@ def check_op(args, tokens: int, rank: int, world: int, device: torch.device) -> 
 
 
 # ------------------------------------------------------------------------------------------------ model part
-def save_model(args, rank: int) -> Path:
-    """The model of ``--arch``'s shape, saved once by rank 0 (random weights)."""
+def save_model(args, rank: int, device: torch.device) -> Path:
+    """The model of ``--arch``'s shape, saved once by rank 0 (random weights, initialised on ``device``: an 8B
+    layer's initialisation on the CPU takes tens of seconds)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     shape = shape_of(args)
@@ -264,7 +265,10 @@ def save_model(args, rank: int) -> Path:
             **extra,
         )
         torch.manual_seed(0)
-        AutoModelForCausalLM.from_config(config, dtype=compute_dtype(args)).save_pretrained(path)
+        with device:
+            model = AutoModelForCausalLM.from_config(config, dtype=compute_dtype(args))
+        model.save_pretrained(path)
+        del model
     dist.barrier()
     return path
 
@@ -505,7 +509,7 @@ def train_step(
 
 def check_model(args, rank: int, world: int, device: torch.device) -> list[dict]:
     shape = shape_of(args)
-    path = save_model(args, rank)
+    path = save_model(args, rank, device)
     model = load_distributed(args, path, world)
     model.train()
     model.gradient_checkpointing_enable()

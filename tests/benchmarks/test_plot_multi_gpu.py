@@ -30,7 +30,8 @@ def _row(table: str, label: str) -> list[str]:
 
 def test_docs_table_is_the_scripts_output_on_the_committed_results(tmp_path, monkeypatch):
     plot = _module()
-    assert all(path.exists() for path in plot.DEFAULT_RESULTS), (
+    columns = [plot._column_paths(column) for column in plot.DEFAULT_RESULTS]
+    assert all(path.exists() for paths in columns for path in paths), (
         "the results the docs' chart is drawn from are committed"
     )
     assert plot.DEFAULT_OUT == REPO / "docs" / "assets" / "multi-gpu-benchmark.png" and plot.DEFAULT_OUT.exists()
@@ -48,15 +49,20 @@ def test_docs_table_is_the_scripts_output_on_the_committed_results(tmp_path, mon
         "Gemma-2-9B, 8192 tok/GPU, FSDP2",
         "Llama-3.1-8B, 32768 tok/GPU, FSDP2",
         "Llama-3.1-8B LoRA, 8192 tok/GPU, FSDP2",
+        "Llama-3.1-8B, 8192 tok/GPU, DeepSpeed ZeRO-3",
         "Llama-3.1-8B, 4096 tok/GPU, tensor parallel 2 x FSDP2 2",
+        "Llama-3.1-8B, 2048 tok/GPU, tensor parallel 4",
     ]
-    # Every entry is its JSON's numbers; the best loss option and the best setup of each column in bold.
-    for index, path in enumerate(plot.DEFAULT_RESULTS):
-        report = json.loads(path.read_text())
+    # Every entry is its JSON's numbers (the ZeRO-3 column's from five launches, one method each); the best loss
+    # option and the best setup of each column in bold.
+    assert len(columns[5]) == 5
+    for index, paths in enumerate(columns):
+        reports = [json.loads(path.read_text()) for path in paths]
         for method, label in plot.METHODS.items():
-            record = report["methods"].get(method)
-            if record is None:
+            records = [report["methods"][method] for report in reports if method in report["methods"]]
+            if not records:
                 continue
+            (record,) = records
             entry = _row(table, label)[index].strip("*")
             if record["status"] == "ok":
                 assert entry == f"{record['tokens_per_s_per_gpu']:.0f} / {record['peak_gib']:.1f} GiB"
@@ -71,9 +77,10 @@ def test_docs_table_is_the_scripts_output_on_the_committed_results(tmp_path, mon
     assert _row(table, "unpatched")[3] == "–"  # not run: past the launch's time budget
     assert _row(table, "Liger fused loss")[4] == "failed"  # under FSDP2 with LoRA: the head weight a DTensor
     caption = table.splitlines()[-1]
-    assert "FSDP2 (tensor parallel 2 x FSDP2 2 for Llama-3.1-8B, 4096 tok/GPU" in caption
+    assert "FSDP2 (DeepSpeed ZeRO-3 for Llama-3.1-8B, 8192 tok/GPU, DeepSpeed ZeRO-3; tensor parallel 2" in caption
     assert "4 x NVIDIA H100 80GB HBM3, micro-batch 1" in caption and "torch 2.11.0" in caption
-    assert "commit 35a4fc5 (6400eb9 for Llama-3.1-8B, 8192 tok/GPU, FSDP2; 655b4e8 for" in caption
+    assert "commit 35a4fc5 (64453c6 for Llama-3.1-8B, 8192 tok/GPU, DeepSpeed ZeRO-3 / Llama-3.1-8B, 2048" in caption
+    assert _row(table, "Liger fused loss")[5] == "**5566 / 36.9 GiB**"  # ZeRO-3: Liger's loss the fastest there
 
 
 def test_out_of_memory_skipped_and_left_behind_methods(tmp_path, monkeypatch):
@@ -126,3 +133,35 @@ def test_not_a_report_is_a_clear_error(tmp_path):
     path.write_text(json.dumps({"blocks": []}))
     with pytest.raises(SystemExit, match="other.json: not a multi_gpu_train.py report"):
         plot.load_runs([path])
+
+
+def test_launches_of_one_setup_make_one_column(tmp_path):
+    def report(method: str, **changes) -> dict:
+        return {
+            "engine": "zero3",
+            "world_size": 4,
+            "device": "NVIDIA H100 80GB HBM3",
+            "model": "llama-3.1-8b",
+            "seq_len": 8192,
+            "micro_batch": 1,
+            "git": "a" * 40,
+            "timed_steps": 5,
+            "methods": {method: {"status": "ok", "tokens_per_s_per_gpu": 1000.0, "peak_gib": 30.0}},
+            **changes,
+        }
+
+    plot = _module()
+    paths = []
+    for index, (method, changes) in enumerate(
+        [("lce_patch", {}), ("unpatched", {"git": "b" * 40}), ("trl_fused_head", {"seq_len": 32768})]
+    ):
+        paths.append(tmp_path / f"{index}.json")
+        paths[-1].write_text(json.dumps(report(method, **changes)))
+    (run,) = plot.load_runs([f"{paths[0]}+{paths[1]}"])
+    assert sorted(run["methods"]) == ["lce_patch", "unpatched"] and run["launches"] == 2
+    assert run["git"] == f"{'a' * 40} / {'b' * 40}" and run["timed_steps"] == 5
+    assert "commit aaaaaaa / bbbbbbb" in plot.table([run], ["x"])
+    with pytest.raises(SystemExit, match="seq_len differ"):
+        plot.load_runs([(paths[0], paths[2])])
+    with pytest.raises(SystemExit, match="lce_patch already in an earlier launch"):
+        plot.load_runs([(paths[0], paths[0])])
