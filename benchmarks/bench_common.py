@@ -20,6 +20,8 @@ import gc
 import importlib.metadata
 import os
 import platform
+import random
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -278,3 +280,18 @@ def rel_l2(x: torch.Tensor | None, ref: torch.Tensor | None, chunk_rows: int = 8
 
 def rel_err(x: float, ref: float) -> float:
     return abs(x - ref) / max(abs(ref), 1e-30)
+
+
+def ratio_interval(reference: list[float], candidate: list[float], rounds: int = 2000) -> tuple[float, float]:
+    """A 95% interval of median(candidate) / median(reference) by a paired bootstrap: the steps are resampled
+    as pairs (step i of both variants ran next to each other, so drift of the host reaches both alike).
+    Deterministic (a fixed seed). A host-bound step varies by 10-30% from one step to the next: a ratio whose
+    interval holds 1 is a tie at that many steps."""
+    generator = random.Random(0)
+    count = len(reference)
+    ratios = []
+    for _ in range(rounds):
+        picks = [generator.randrange(count) for _ in range(count)]
+        ratios.append(statistics.median(candidate[i] for i in picks) / statistics.median(reference[i] for i in picks))
+    ratios.sort()
+    return ratios[int(0.025 * rounds)], ratios[int(0.975 * rounds) - 1]

@@ -13,6 +13,10 @@ engine (FSDP2, DeepSpeed ZeRO-3, tensor parallelism) is set up exactly as in a u
     trl_fused_head            TRL's SFTTrainer with its own fused LM head (its default since TRL 1.15)
     compile                   the unpatched model under TrainingArguments(torch_compile=True): opt-in (name it, or
                               --methods all; compiling an 8B model takes minutes), not on --cpu
+    lce_patch_interleaved     unpatched and lce_patch on ONE model and Trainer, the loss switched step by step (A B
+                              B A ...; the switch timed apart): their step-time ratio with a 95% interval from a
+                              paired bootstrap, free of the drift between methods run one after the other; opt-in,
+                              2 x (--warmup + --steps) steps
 
 A method whose package is missing (liger-kernel, trl, datasets) is reported as skipped; one that fails on every
 rank is reported with its error, and the run goes on.
@@ -62,6 +66,7 @@ import contextlib
 import datetime
 import gc
 import json
+import logging
 import os
 import statistics
 import sys
@@ -88,7 +93,10 @@ METHODS = (
     "liger_all",
     "trl_fused_head",
     "compile",
+    "lce_patch_interleaved",
 )
+INTERLEAVED = "lce_patch_interleaved"
+VARIANTS = ("unpatched", "lce_patch")  # the interleaved method's A and B
 # Liger's patch arguments per method: its instance patch passes each model type only the ones it takes.
 LIGER_CONFIGS: dict[str, dict[str, bool]] = {
     "liger_fused_loss": {
@@ -516,6 +524,79 @@ class StepClock:
         return [b - a for a, b in zip(marks, marks[1:])]
 
 
+class VariantSwitch:
+    """The interleaved method's switch: before each step, the model's loss is set to the unpatched head's or to
+    lce_patch's (``revert_fused_lce`` / ``apply_fused_lce``) in the order A B B A A B ..., so that each pair of
+    steps holds one of each and drift over the launch reaches both alike. The switch's own time is recorded per
+    step, to be taken out of the step it precedes."""
+
+    def __init__(self) -> None:
+        from transformers import TrainerCallback
+
+        switch = self
+        self.variants: list[str] = []
+        self.switch_s: list[float] = []
+        self.patched: list[bool] = []  # whether the model was patched when the step began: each variant's own
+
+        class Callback(TrainerCallback):
+            def on_step_begin(self, args, state, control, model=None, **kwargs):
+                import lce_patch
+                from lce_patch.models import is_patched, unwrap_causal_lm
+
+                start = time.perf_counter()
+                step = len(switch.variants)
+                variant = VARIANTS[(step % 2) ^ (step // 2 % 2)]
+                patched = is_patched(unwrap_causal_lm(model))
+                quiet = logging.getLogger("lce_patch")
+                level = quiet.level
+                quiet.setLevel(logging.ERROR)  # the patch's announcement, once per switch
+                try:
+                    if variant == "lce_patch" and not patched:
+                        lce_patch.apply_fused_lce(model)
+                    elif variant == "unpatched" and patched:
+                        lce_patch.revert_fused_lce(model)
+                finally:
+                    quiet.setLevel(level)
+                switch.variants.append(variant)
+                switch.switch_s.append(time.perf_counter() - start)
+                switch.patched.append(is_patched(unwrap_causal_lm(model)))
+
+        self.callback = Callback()
+
+
+def interleaved_summary(step_s: list[float], variants: list[str], switch_s: list[float], warmup: int,
+                        tokens_step: int, world: int) -> dict[str, Any]:  # fmt: skip
+    """The interleaved method's numbers: per variant, its steps after its first ``warmup`` (the switch's time taken
+    out) as tokens/s per GPU; the ratio of lce_patch's median step time to the unpatched one's with a 95% interval
+    from a paired bootstrap (the k-th steps of the two variants ran in the same pair)."""
+    from bench_common import ratio_interval
+
+    times = {variant: [] for variant in VARIANTS}
+    for step, variant, switch in zip(step_s, variants, switch_s, strict=False):
+        times[variant].append(step - switch)
+    timed = {variant: steps[warmup:] for variant, steps in times.items()}
+    count = min(len(steps) for steps in timed.values())
+    if count == 0:
+        return {"variants": {variant: {"timed_steps": 0} for variant in VARIANTS}}
+    timed = {variant: steps[:count] for variant, steps in timed.items()}
+    out: dict[str, Any] = {"variants": {}}
+    for variant, steps in timed.items():
+        per_gpu = [tokens_step / t / world for t in steps]
+        median = statistics.median(per_gpu)
+        out["variants"][variant] = {
+            "timed_steps": count,
+            "tokens_per_s_per_gpu": round(median, 1),
+            "spread": round((max(per_gpu) - min(per_gpu)) / median, 4),
+            "median_step_s": round(statistics.median(steps), 4),
+            "step_s": [round(t, 4) for t in steps],
+        }
+    reference, candidate = timed["unpatched"], timed["lce_patch"]
+    out["time_ratio"] = round(statistics.median(candidate) / statistics.median(reference), 4)
+    out["time_ratio_interval95"] = [round(bound, 4) for bound in ratio_interval(reference, candidate)]
+    out["switch_s_median"] = round(statistics.median(switch_s), 4)
+    return out
+
+
 def simulated_oom_callback():
     """A callback raising torch.OutOfMemoryError at the first step (--simulate-oom-above)."""
     import torch
@@ -540,12 +621,23 @@ def checkpointing_arguments() -> dict[str, Any]:
     return {name: True, f"{name}_kwargs": {"use_reentrant": False}}
 
 
-def make_trainer(method: str, model, args: argparse.Namespace, rows, batch: int, max_steps: int, clock: StepClock):
+def make_trainer(
+    method: str,
+    model,
+    args: argparse.Namespace,
+    rows,
+    batch: int,
+    max_steps: int,
+    clock: StepClock,
+    switch: VariantSwitch | None = None,
+):
     from lce_patch import FusedLCECallback
 
     callbacks = [clock.callback]
     if "lce_patch" in method:
         callbacks.append(FusedLCECallback())
+    if switch is not None:
+        callbacks.append(switch.callback)
     deepspeed = deepspeed_stage() is not None
     common: dict[str, Any] = dict(
         output_dir=os.path.join(tempfile.gettempdir(), "multi_gpu_train"),
@@ -745,8 +837,9 @@ class Run:
             mine.update(parameter_counts(model))
             rows = make_rows(args, steps * batch * self.dp_size, config.vocab_size)
             clock = StepClock()
+            switch = VariantSwitch() if method == INTERLEAVED else None
             fresh_accelerator_state()
-            trainer = make_trainer(method, model, args, rows, batch, steps, clock)
+            trainer = make_trainer(method, model, args, rows, batch, steps, clock, switch)
             simulated = args.simulate_oom_rank is None or args.simulate_oom_rank == self.rank
             if args.simulate_oom_above and batch > args.simulate_oom_above and simulated:
                 trainer.add_callback(simulated_oom_callback())
@@ -760,11 +853,14 @@ class Run:
                 for m in trainer.model_wrapped.modules()
             )
             mine["step_s"] = clock.step_times()
+            if switch is not None:
+                mine["variants"], mine["switch_s"] = switch.variants, switch.switch_s
+                mine["switched_right"] = switch.patched == [v == "lce_patch" for v in switch.variants]
             mine["losses"] = [e["loss"] for e in trainer.state.log_history if "loss" in e]
             if torch.cuda.is_available():
                 mine["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
                 mine["peak_reserved_gib"] = torch.cuda.max_memory_reserved() / 2**30
-            if "lce_patch" in method:
+            if "lce_patch" in method and switch is None:
                 from lce_patch.models import is_patched, unwrap_causal_lm
 
                 mine["lce_patch_active"] = bool(is_patched(unwrap_causal_lm(trainer.model)))
@@ -809,6 +905,13 @@ class Run:
         lead = ranks[0]
         times = lead["step_s"][self.args.warmup :] if len(lead["step_s"]) > self.args.warmup else []
         tokens_step = batch * self.args.seq_len * self.dp_size
+        interleaved = None
+        if "variants" in lead:  # each step's variant: numbers per variant, not over the steps together
+            switch_s = [max(r["switch_s"][i] for r in ranks) for i in range(len(lead["switch_s"]))]
+            interleaved = interleaved_summary(
+                lead["step_s"], lead["variants"], switch_s, self.args.warmup, tokens_step, self.world
+            )
+            times = []
         result: dict[str, Any] = {
             "status": "ok",
             "micro_batch": batch,
@@ -840,6 +943,8 @@ class Run:
             result["start_allocated_gib"] = round(max(r.get("start_allocated_gib", 0.0) for r in ranks), 3)
         if "lce_patch_active" in lead:
             result["lce_patch_active"] = all(r.get("lce_patch_active") for r in ranks)
+        if interleaved is not None:
+            result.update(interleaved, switched_right=all(r.get("switched_right") for r in ranks))
         return result
 
     def write(self) -> None:
@@ -863,7 +968,8 @@ class Run:
                 self.log(f"{method}: skipped ({skip})")
                 continue
             self.log(f"{method}: start")
-            ranks = self.agree(self.train(method, args.batch, args.warmup + args.steps))
+            steps = args.warmup + args.steps
+            ranks = self.agree(self.train(method, args.batch, 2 * steps if method == INTERLEAVED else steps))
             result = self.summarize(method, ranks, args.batch)
             self.report["methods"][method] = result
             self.log(f"{method}: {one_line(result)}")
@@ -955,6 +1061,18 @@ class Run:
                 lines.append(f"| {method} | {m['status']}: {reason[:90]}{left} | | | {mb} | |")
                 continue
             losses = m.get("losses") or [None]
+            if "time_ratio" in m:
+                for variant, v in m["variants"].items():
+                    lines.append(
+                        f"| {method}: {variant}{left} | {fmt(v.get('tokens_per_s_per_gpu'), '.0f')} | "
+                        f"{fmt(v.get('spread'), '.1%')} | {fmt(m.get('peak_gib'), '.2f')} (both) | {mb} | |"
+                    )
+                low, high = m["time_ratio_interval95"]
+                lines.append(
+                    f"| {method}: lce_patch / unpatched step time | {m['time_ratio']:.3f} ({low:.3f}-{high:.3f}, 95%) "
+                    f"| | | | {fmt(losses[0], '.3f')} / {fmt(losses[-1], '.3f')} |"
+                )
+                continue
             lines.append(
                 f"| {method}{left} | {fmt(m.get('tokens_per_s_per_gpu'), '.0f')} | {fmt(m.get('spread'), '.1%')} "
                 f"| {fmt(m.get('peak_gib'), '.2f')} | {mb} | {fmt(losses[0], '.3f')} / {fmt(losses[-1], '.3f')} |"
@@ -969,6 +1087,17 @@ def fmt(value: float | None, spec: str) -> str:
 def one_line(result: dict[str, Any]) -> str:
     if result["status"] != "ok":
         return f"{result['status']}: {result.get('error', result.get('reason', ''))[:200]}"
+    if "time_ratio" in result:
+        tokens = ", ".join(
+            f"{variant} {fmt(v.get('tokens_per_s_per_gpu'), '.0f')}" for variant, v in result["variants"].items()
+        )
+        low, high = result["time_ratio_interval95"]
+        return (
+            f"tokens/s per GPU {tokens}; lce_patch / unpatched step time {result['time_ratio']:.3f} "
+            f"({low:.3f}-{high:.3f}, 95%), peak {fmt(result.get('peak_gib'), '.2f')} GiB"
+        )
+    if "variants" in result:
+        return "interleaved: no timed steps (more --steps)"
     return (
         f"{fmt(result.get('tokens_per_s_per_gpu'), '.0f')} tokens/s per GPU "
         f"(spread {fmt(result.get('spread'), '.1%')}), peak {fmt(result.get('peak_gib'), '.2f')} GiB, "

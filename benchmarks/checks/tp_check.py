@@ -57,7 +57,6 @@ import inspect
 import json
 import os
 import platform
-import random
 import statistics
 import sys
 import tempfile
@@ -73,7 +72,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))  # bench_common, in benchmarks/
 
-from bench_common import CUDA_LAUNCH_CALLS, git_revision, rel_err, rel_l2  # noqa: E402
+from bench_common import CUDA_LAUNCH_CALLS, git_revision, ratio_interval, rel_err, rel_l2  # noqa: E402
 
 import lce_patch  # noqa: E402
 import lce_patch.models.forward as lce_forward  # noqa: E402
@@ -480,21 +479,6 @@ def time_interleaved(args, model, step, variants: list[str], device: torch.devic
         variant: {**timing_summary(times[variant]), "peak_mib": peaks[variant] / 2**20, "times_ms": times[variant]}
         for variant in variants
     }
-
-
-def ratio_interval(reference: list[float], candidate: list[float], rounds: int = 2000) -> tuple[float, float]:
-    """A 95% interval of median(candidate) / median(reference) by a paired bootstrap: the steps are resampled
-    as pairs (step i of both variants ran next to each other, so drift of the host reaches both alike).
-    Deterministic (a fixed seed). A host-bound step varies by 10-30% from one step to the next: a ratio whose
-    interval holds 1 is a tie at that many steps."""
-    generator = random.Random(0)
-    count = len(reference)
-    ratios = []
-    for _ in range(rounds):
-        picks = [generator.randrange(count) for _ in range(count)]
-        ratios.append(statistics.median(candidate[i] for i in picks) / statistics.median(reference[i] for i in picks))
-    ratios.sort()
-    return ratios[int(0.025 * rounds)], ratios[int(0.975 * rounds) - 1]
 
 
 def train_step(

@@ -124,13 +124,41 @@ def test_cpu_smoke_methods_and_search(tmp_path):
 
 @pytest.mark.slow
 def test_cpu_smoke_tensor_parallel(tmp_path):
-    report = _launch(tmp_path, "--tp", "2", "--model", "gemma-2-9b", "--methods", "unpatched,lce_patch")
+    methods = "unpatched,lce_patch,lce_patch_interleaved"
+    report = _launch(tmp_path, "--tp", "2", "--model", "gemma-2-9b", "--methods", methods)
     assert (report["engine"], report["tp_size"], report["dp_size"]) == ("tp2", 2, 1)
     methods = report["methods"]
     assert methods["unpatched"]["status"] == "ok", methods["unpatched"]
     assert methods["lce_patch"]["status"] == "ok", methods["lce_patch"]
     assert methods["lce_patch"]["lce_patch_active"]
     assert _close(methods["lce_patch"]["losses"], methods["unpatched"]["losses"])
+    # The interleaved method: one model and Trainer, 2 x (1 + 2) steps, the loss switched before each step
+    interleaved = methods["lce_patch_interleaved"]
+    assert interleaved["status"] == "ok", interleaved
+    assert interleaved["switched_right"] and len(interleaved["step_s"]) == 6
+    for variant in ("unpatched", "lce_patch"):
+        numbers = interleaved["variants"][variant]
+        assert numbers["timed_steps"] == 2 and numbers["tokens_per_s_per_gpu"] > 0
+    low, high = interleaved["time_ratio_interval95"]
+    assert low <= interleaved["time_ratio"] <= high
+
+
+def test_interleaved_summary_splits_the_steps_by_variant():
+    module = _load()
+    variants = ["unpatched", "lce_patch", "lce_patch", "unpatched", "unpatched", "lce_patch", "lce_patch", "unpatched"]
+    steps = [9.0, 9.0, 2.1, 1.0, 1.2, 2.5, 2.2, 1.1]
+    switch = [0.0, 0.5, 0.0, 0.5, 0.0, 0.5, 0.0, 0.5]  # taken out of the step it preceded
+    out = module.interleaved_summary(steps, variants, switch, warmup=1, tokens_step=400, world=2)
+    assert out["variants"]["unpatched"]["step_s"] == [0.5, 1.2, 0.6]
+    assert out["variants"]["lce_patch"]["step_s"] == [2.1, 2.0, 2.2]
+    assert out["variants"]["unpatched"]["tokens_per_s_per_gpu"] == round(200 / 0.6, 1)
+    assert out["time_ratio"] == round(2.1 / 0.6, 4)
+    low, high = out["time_ratio_interval95"]
+    assert low <= out["time_ratio"] <= high and low > 1
+    # too few steps after the warm-up: no numbers, no error
+    assert module.interleaved_summary(steps[:2], variants[:2], switch[:2], 1, 400, 2)["variants"]["lce_patch"] == {
+        "timed_steps": 0
+    }
 
 
 @pytest.mark.slow

@@ -106,6 +106,7 @@ def test_out_of_memory_skipped_and_left_behind_methods(tmp_path, monkeypatch):
             "trl_fused_head": {"status": "skipped", "reason": "trl is not installed"},
             "liger_all": {**record(1200.0, 9.5), "left_by_earlier_gib": 31.2},
             "compile": {"status": "oom", "error": "OutOfMemoryError", "left_by_earlier_gib": 30.0},
+            "lce_patch_interleaved": {"status": "ok", "time_ratio": 0.98, "variants": {}},  # a ratio, not a bar
         },
     }
     path = tmp_path / "run.json"
@@ -123,6 +124,7 @@ def test_out_of_memory_skipped_and_left_behind_methods(tmp_path, monkeypatch):
     assert _row(table, "Liger, every kernel") == ["**1200 / 9.5 GiB** †"]
     assert _row(table, "torch.compile") == ["out of memory †"]
     assert "| Liger fused loss |" not in table  # in no launch
+    assert "interleaved" not in table
     assert "DeepSpeed ZeRO-3, 2 x NVIDIA H200, micro-batch 2" in table and "commit abc1234" in table
     assert "Liger, every kernel, Qwen2.5-7B, 8192 tok/GPU (4 of 28 layers): 31.2 GiB" in table.splitlines()[-1]
 
