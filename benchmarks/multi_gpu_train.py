@@ -205,6 +205,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         unknown = [m for m in args.max_batch_methods if m not in METHODS]
         if unknown:
             parser.error(f"unknown --max-batch-methods {unknown}")
+        if INTERLEAVED in args.max_batch_methods:
+            parser.error(f"--max-batch-methods: {INTERLEAVED} switches its loss step by step; search its two "
+                         "methods, unpatched and lce_patch")  # fmt: skip
     if args.seq_len < 16 or args.batch < 1 or args.steps < 1 or args.warmup < 0 or args.tp < 1:
         parser.error("--seq-len >= 16, --batch >= 1, --steps >= 1, --warmup >= 0 and --tp >= 1 are needed")
     if args.layers is not None and args.layers < 1:
@@ -980,7 +983,7 @@ class Run:
         """Doubling from --batch, then bisection between the last batch that trained and the first that did not."""
         args = self.args
         methods = args.max_batch_methods or [
-            m for m in args.methods if self.report["methods"].get(m, {}).get("status") == "ok"
+            m for m in args.methods if m != INTERLEAVED and self.report["methods"].get(m, {}).get("status") == "ok"
         ]
         for method in methods:
             record: dict[str, Any] = {"attempts": [], "limit": args.max_batch}

@@ -71,6 +71,8 @@ def test_options():
         module.parse_args(["--methods", "unpatched,liger"])
     with pytest.raises(SystemExit):
         module.parse_args(["--layers", "0"])
+    with pytest.raises(SystemExit):  # one step of it would be one variant's
+        module.parse_args(["--max-batch", "4", "--max-batch-methods", "lce_patch_interleaved"])
     # Every model's config builds, cut to --layers, with the real vocabulary and softcap.
     config = module.model_config(module.parse_args(["--model", "gemma-2-9b", "--layers", "2"]))
     assert (config.num_hidden_layers, config.vocab_size, config.final_logit_softcapping) == (2, 256000, 30.0)
