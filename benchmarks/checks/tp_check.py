@@ -27,14 +27,14 @@ Timing: ``--warmup`` steps per variant (default 3; compilation and autotuning st
 ``--steps`` timed steps of each variant (default 20), interleaved (unpatched, patched, patched, unpatched, ...) so
 that drift over the run reaches both alike, each started on every rank together (a barrier: otherwise a rank
 that finished the untimed setup sooner times its wait for the others in the step's first collective) and
-bracketed by device synchronisations, Python's garbage collector
-run before each and held off during it (as ``timeit`` does: a collection's pause then lands in no timed step;
-what was alive before the timed steps is frozen out of the collector, so that each collection stays short);
-the median, min, p10, p90 and max per variant and rank, each step's time (the slowest rank's) and the ratio of the variants' medians
-with a 95% interval from a paired bootstrap over the steps: a host-bound step varies by 10-30% from step to step,
-so a ratio whose interval holds 1 is a tie at that many steps (100 steps give an interval of about +-5% on the
-H100 hosts measured). ``--tokens`` takes several counts (``--sweep``: 4096 8192 16384 32768),
-run one after the other on the same loaded model. ``--profile DIR`` writes a torch.profiler trace (Chrome
+bracketed by device synchronisations, Python's garbage collector run before each and held off during it (as
+``timeit`` does: a collection's pause then lands in no timed step; what was alive before the timed steps is frozen
+out of the collector, so that each collection stays short); the median, min, p10, p90 and max per variant and
+rank, each step's time (the slowest rank's) and the ratio of the variants' medians with a 95% interval from a
+paired bootstrap over the steps: a host-bound step varies by 10-30% from step to step, so a ratio whose interval
+holds 1 is a tie at that many steps (100 steps give an interval of about +-5% on the H100 hosts measured).
+``--tokens`` takes several counts (``--sweep``: 4096 8192 16384 32768), run one after the other on the same loaded
+model. ``--profile DIR`` writes a torch.profiler trace (Chrome
 JSON) and a ``key_averages`` table of one unpatched and one patched step at the first token count, on rank 0,
 and reports each profiled step's host span, GPU busy time, kernel launches and synchronisations (``step_work``):
 a step whose host span is well above its GPU busy time is bound by the host, and there the launches decide.
@@ -85,18 +85,9 @@ SHAPES = {
     "gemma2": dict(
         model_type="gemma2", tied=True, hidden=2304, vocab=256000, softcap=30.0, heads=8, kv_heads=4, intermediate=9216
     ),
-    # Llama-3.1-8B's layer and head shapes (the multi-GPU benchmark's model, untied head), --layers of them
-    "llama8b": dict(
-        model_type="llama",
-        tied=False,
-        hidden=4096,
-        vocab=128256,
-        softcap=None,
-        heads=32,
-        kv_heads=8,
-        intermediate=14336,
-    ),
 }
+# Llama-3.1-8B's layers and head (the multi-GPU benchmark's model): Llama-3.2-1B's layout, wider, the head untied
+SHAPES["llama8b"] = dict(SHAPES["llama"], tied=False, hidden=4096, intermediate=14336)
 # --cpu: the same checks on a tiny shape over gloo, in fp32 (a smoke test of the script; CI runs it).
 TINY = dict(hidden=64, vocab=509, heads=4, kv_heads=2, intermediate=128)
 SWEEP = (4096, 8192, 16384, 32768)
@@ -250,7 +241,7 @@ def save_model(args, rank: int, device: torch.device) -> Path:
     path = Path(tempfile.gettempdir()) / f"tp_check_{args.arch}_{args.layers}{'_cpu' if args.cpu else ''}"
     if rank == 0 and not (path / "config.json").exists():
         extra = {}
-        if args.arch == "gemma2":
+        if shape["model_type"] == "gemma2":
             extra = dict(final_logit_softcapping=shape["softcap"], head_dim=16 if args.cpu else 256)
         config = AutoConfig.for_model(
             shape["model_type"],
@@ -267,7 +258,6 @@ def save_model(args, rank: int, device: torch.device) -> Path:
         with device:
             model = AutoModelForCausalLM.from_config(config, dtype=compute_dtype(args))
         model.save_pretrained(path)
-        del model
     dist.barrier()
     return path
 
@@ -436,8 +426,8 @@ def set_variant(model, variant: str) -> None:
 def time_interleaved(args, model, step, variants: list[str], device: torch.device, model_bytes: int) -> dict:
     """``--steps`` timed steps of each variant, alternating (A B, B A, A B, ...) so that drift of the host or the
     GPU clocks over the run reaches both alike; each step started on every rank together (a barrier) and
-    bracketed by device synchronisations, with the garbage collector run before it and paused during it. Per variant:
-    the timing summary and the peak memory above the model over its timed steps."""
+    bracketed by device synchronisations, with the garbage collector run before it and paused during it. Per
+    variant: the timing summary and the peak memory above the model over its timed steps."""
     cuda = device.type == "cuda"
     times = {variant: [] for variant in variants}
     peaks = dict.fromkeys(variants, 0)
@@ -685,8 +675,8 @@ def print_model_table(report: dict) -> None:
         low, high = row["ratio"]["interval95"]
         print(
             f"{'':>7} patched / unpatched: x{row['ratio']['median']:.3f} time (95% interval {low:.3f}-{high:.3f}, "
-            f"paired bootstrap over the steps), loss rel {max(r['loss_rel'] for r in row['ranks']):.2e}, worst gradient {worst['worst_grad']} "
-            f"{worst['worst_grad_rel']:.2e}; {'ok' if row['ok'] else 'FAIL'}"
+            f"paired bootstrap over the steps), loss rel {max(r['loss_rel'] for r in row['ranks']):.2e}, "
+            f"worst gradient {worst['worst_grad']} {worst['worst_grad_rel']:.2e}; {'ok' if row['ok'] else 'FAIL'}"
         )
 
 

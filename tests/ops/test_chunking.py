@@ -9,7 +9,7 @@ import torch
 
 from lce_patch import fused_linear_cross_entropy
 
-from .devices import BACKENDS, on
+from .devices import BACKENDS, device_of
 from .test_linear_cross_entropy import check_against_reference, leaf, make_inputs
 
 
@@ -78,11 +78,10 @@ def _shard_chunk_plans(rank, world_size, backend):
         total = 40
         bounds = [round(total * r / world_size) for r in range(world_size + 1)]  # 3 ranks: 13, 14, 13 rows
         start, stop = bounds[rank], bounds[rank + 1]
-        hidden, weight, labels = on(
-            backend, torch.randn(6, 8), torch.randn(stop - start, 8), torch.tensor([0, 23, 39, -100, 25, 1])
-        )
-        hidden.requires_grad_()
-        weight.requires_grad_()
+        device = device_of(backend)
+        hidden = leaf(torch.randn(6, 8), torch.float32, device=device)
+        weight = leaf(torch.randn(stop - start, 8), torch.float32, device=device)
+        labels = torch.tensor([0, 23, 39, -100, 25, 1], device=device)
         shard = VocabShard(start=start, total=total, group=None)
         fused_linear_cross_entropy(hidden, weight, labels, vocab_shard=shard, backend=backend).backward()
         with torch.no_grad():  # evaluation of a trainable weight plans with its spare bytes: the same on every rank

@@ -36,8 +36,9 @@ class LabelRows(NamedTuple):
     labels: [N] int64, the labels as given (shifted with ``shift_rows``), or with a shard each one's id in it
     (``ignore_index`` kept; a label another shard owns becomes :func:`not_owned_id`). row_index: [M] int64
     ascending, the rows whose label is valid, or None when every row is processed. row_labels: [M] int64,
-    ``labels`` of those rows (``labels`` itself without a selection). num_valid: 0-d int64, the count of valid labels. scale: 0-d, the factor a
-    scalar loss applies to its sum (see :func:`..reduction.loss_scale`), or None when not asked.
+    ``labels`` of those rows (``labels`` itself without a selection). num_valid: 0-d int64, the count of valid
+    labels. scale: 0-d, the factor a scalar loss applies to its sum (see :func:`..reduction.loss_scale`), or None
+    when not asked.
     """
 
     labels: torch.Tensor
