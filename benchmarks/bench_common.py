@@ -295,3 +295,28 @@ def ratio_interval(reference: list[float], candidate: list[float], rounds: int =
         ratios.append(statistics.median(candidate[i] for i in picks) / statistics.median(reference[i] for i in picks))
     ratios.sort()
     return ratios[int(0.025 * rounds)], ratios[int(0.975 * rounds) - 1]
+
+
+_SYNCS = {"cudaDeviceSynchronize", "cudaStreamSynchronize", "cudaEventSynchronize"}
+
+
+def step_work(trace: dict) -> dict:
+    """What one profiled step cost the host and the GPU, from its Chrome trace: the host's span (first to last
+    operator, ms), operators, kernel launches, GPU busy time (kernels' durations summed, ms), the NCCL kernels'
+    part of it, and host-device synchronisations. A step whose host span is well above its GPU busy time is bound by the host: there the
+    kernel launches, not the FLOPs, set its time."""
+    events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X"]
+    ops = [e for e in events if e.get("cat") == "cpu_op"]
+    runtime = [e for e in events if e.get("cat") in ("cuda_runtime", "cuda_driver")]
+    kernels = [e for e in events if e.get("cat") == "kernel"]
+    start = min((e["ts"] for e in ops), default=0.0)
+    end = max((e["ts"] + e["dur"] for e in ops), default=0.0)
+    return {
+        "host_ms": (end - start) / 1e3,
+        "cpu_ops": len(ops),
+        "launches": sum(e["name"] in CUDA_LAUNCH_CALLS for e in runtime),
+        "gpu_busy_ms": sum(e["dur"] for e in kernels) / 1e3,
+        "collective_ms": sum(e["dur"] for e in kernels if "nccl" in e["name"].lower()) / 1e3,
+        # inside the step (the profiler's own synchronisation after it is not the step's)
+        "syncs": sum(e["name"] in _SYNCS and start <= e["ts"] <= end for e in runtime),
+    }

@@ -173,6 +173,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=120.0,
         help="how long ranks wait for each other to agree after a method; past it the run ends (exit status 3)",
     )
+    parser.add_argument(
+        "--profile",
+        default=None,
+        metavar="DIR",
+        help="write a torch.profiler trace and op table of rank 0's last warm-up step per method (the interleaved "
+        "method: its last two warm-up steps, one per variant) here, and each step's host span, GPU busy and NCCL "
+        "time into the JSON; needs --warmup >= 2",
+    )
     parser.add_argument("--lr", type=float, default=1e-5, help="AdamW learning rate")
     parser.add_argument("--seed", type=int, default=0, help="seed of the weights and the data")
     parser.add_argument("--cpu", action="store_true", help="smoke mode: tiny model, CPU processes (gloo)")
@@ -212,6 +220,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--seq-len >= 16, --batch >= 1, --steps >= 1, --warmup >= 0 and --tp >= 1 are needed")
     if args.layers is not None and args.layers < 1:
         parser.error("--layers must be >= 1")
+    if args.profile is not None and args.warmup < 2:
+        parser.error("--profile profiles warm-up steps (the timed ones stay unprofiled): --warmup >= 2 is needed")
     if not 0.0 <= args.prompt_fraction < 0.95:
         parser.error("--prompt-fraction must be in [0, 0.95)")
     if deepspeed_stage() == "3" and not args.cpu and (len(args.methods) > 1 or args.max_batch):
@@ -567,6 +577,65 @@ class VariantSwitch:
         self.callback = Callback()
 
 
+class StepProfiler:
+    """``--profile``: torch.profiler over chosen steps on rank 0 (the other ranks step alongside). Each step's
+    Chrome trace (gzipped) and op table go to ``directory``; :func:`bench_common.step_work`'s summary of each, with
+    the loss that ran (``lce_patch`` or ``unpatched``), is kept in ``steps``. Only warm-up steps are profiled, so
+    the profiler's overhead stays out of the timed ones."""
+
+    def __init__(self, directory: str, stem: str, targets: set[int], rank: int) -> None:
+        from transformers import TrainerCallback
+
+        profiler = self
+        self.steps: list[dict[str, Any]] = []
+        self.active = None
+        active_here = rank == 0
+
+        class Callback(TrainerCallback):
+            def on_step_begin(self, args, state, control, **kwargs):
+                if active_here and state.global_step in targets:
+                    import torch
+                    from torch.profiler import ProfilerActivity, profile
+
+                    activities = [ProfilerActivity.CPU]
+                    if torch.cuda.is_available():
+                        torch.cuda.synchronize()
+                        activities.append(ProfilerActivity.CUDA)
+                    profiler.active = profile(activities=activities)
+                    profiler.active.__enter__()
+
+            def on_step_end(self, args, state, control, model=None, **kwargs):
+                if profiler.active is None:
+                    return
+                import gzip
+
+                import torch
+                from bench_common import step_work
+
+                from lce_patch.models import is_patched, unwrap_causal_lm
+
+                if torch.cuda.is_available():
+                    torch.cuda.synchronize()
+                prof, profiler.active = profiler.active, None
+                prof.__exit__(None, None, None)
+                loss = "lce_patch" if is_patched(unwrap_causal_lm(model)) else "unpatched"
+                out = Path(directory)
+                out.mkdir(parents=True, exist_ok=True)
+                name = f"{stem}_step{state.global_step - 1}_{loss}_rank0"
+                trace_path = out / f"{name}.json"
+                prof.export_chrome_trace(str(trace_path))
+                trace = json.loads(trace_path.read_text())
+                with gzip.open(f"{trace_path}.gz", "wt") as packed:
+                    json.dump(trace, packed)
+                trace_path.unlink()
+                sort_by = "self_device_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+                (out / f"{name}.txt").write_text(prof.key_averages().table(sort_by=sort_by, row_limit=50))
+                work = {key: round(value, 3) for key, value in step_work(trace).items()}
+                profiler.steps.append({"step": state.global_step - 1, "loss": loss, **work})
+
+        self.callback = Callback()
+
+
 def interleaved_summary(step_s: list[float], variants: list[str], switch_s: list[float], warmup: int,
                         tokens_step: int, world: int) -> dict[str, Any]:  # fmt: skip
     """The interleaved method's numbers: per variant, its steps after its first ``warmup`` (the switch's time taken
@@ -633,6 +702,7 @@ def make_trainer(
     max_steps: int,
     clock: StepClock,
     switch: VariantSwitch | None = None,
+    profiler: StepProfiler | None = None,
 ):
     from lce_patch import FusedLCECallback
 
@@ -641,6 +711,8 @@ def make_trainer(
         callbacks.append(FusedLCECallback())
     if switch is not None:
         callbacks.append(switch.callback)
+    if profiler is not None:  # last: its step starts after the loss is switched, ends after the clock's sync
+        callbacks.append(profiler.callback)
     deepspeed = deepspeed_stage() is not None
     common: dict[str, Any] = dict(
         output_dir=os.path.join(tempfile.gettempdir(), "multi_gpu_train"),
@@ -841,8 +913,15 @@ class Run:
             rows = make_rows(args, steps * batch * self.dp_size, config.vocab_size)
             clock = StepClock()
             switch = VariantSwitch() if method == INTERLEAVED else None
+            profiler = None
+            if args.profile is not None:
+                # the last warm-up step; the interleaved method's last two, one of each variant (A B B A order)
+                last = 2 * args.warmup - 1 if switch is not None else args.warmup - 1
+                targets = {last - 1, last} if switch is not None else {last}
+                stem = f"multi_gpu_train_{self.engine}_{args.model}_{args.seq_len}_{method}_b{batch}"
+                profiler = StepProfiler(args.profile, stem, targets, self.rank)
             fresh_accelerator_state()
-            trainer = make_trainer(method, model, args, rows, batch, steps, clock, switch)
+            trainer = make_trainer(method, model, args, rows, batch, steps, clock, switch, profiler)
             simulated = args.simulate_oom_rank is None or args.simulate_oom_rank == self.rank
             if args.simulate_oom_above and batch > args.simulate_oom_above and simulated:
                 trainer.add_callback(simulated_oom_callback())
@@ -860,6 +939,8 @@ class Run:
                 mine["variants"], mine["switch_s"] = switch.variants, switch.switch_s
                 mine["switched_right"] = switch.patched == [v == "lce_patch" for v in switch.variants]
             mine["losses"] = [e["loss"] for e in trainer.state.log_history if "loss" in e]
+            if profiler is not None and profiler.steps:
+                mine["profile"] = profiler.steps
             if torch.cuda.is_available():
                 mine["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
                 mine["peak_reserved_gib"] = torch.cuda.max_memory_reserved() / 2**30
@@ -948,6 +1029,8 @@ class Run:
             result["lce_patch_active"] = all(r.get("lce_patch_active") for r in ranks)
         if interleaved is not None:
             result.update(interleaved, switched_right=all(r.get("switched_right") for r in ranks))
+        if "profile" in lead:
+            result["profile_rank0"] = lead["profile"]
         return result
 
     def write(self) -> None:

@@ -72,7 +72,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))  # bench_common, in benchmarks/
 
-from bench_common import CUDA_LAUNCH_CALLS, git_revision, ratio_interval, rel_err, rel_l2  # noqa: E402
+from bench_common import git_revision, ratio_interval, rel_err, rel_l2, step_work  # noqa: E402
 
 import lce_patch  # noqa: E402
 import lce_patch.models.forward as lce_forward  # noqa: E402
@@ -316,30 +316,6 @@ def timing_summary(times: list[float]) -> dict:
         "ms_p90": pct(0.9),
         "ms_max": ordered[-1],
         "steps": len(times),
-    }
-
-
-_SYNCS = {"cudaDeviceSynchronize", "cudaStreamSynchronize", "cudaEventSynchronize"}
-
-
-def step_work(trace: dict) -> dict:
-    """What one profiled step cost the host and the GPU, from its Chrome trace: the host's span (first to last
-    operator, ms), operators, kernel launches, GPU busy time (kernels' durations summed, ms) and host-device
-    synchronisations. A step whose host span is well above its GPU busy time is bound by the host: there the
-    kernel launches, not the FLOPs, set its time."""
-    events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X"]
-    ops = [e for e in events if e.get("cat") == "cpu_op"]
-    runtime = [e for e in events if e.get("cat") in ("cuda_runtime", "cuda_driver")]
-    kernels = [e for e in events if e.get("cat") == "kernel"]
-    start = min((e["ts"] for e in ops), default=0.0)
-    end = max((e["ts"] + e["dur"] for e in ops), default=0.0)
-    return {
-        "host_ms": (end - start) / 1e3,
-        "cpu_ops": len(ops),
-        "launches": sum(e["name"] in CUDA_LAUNCH_CALLS for e in runtime),
-        "gpu_busy_ms": sum(e["dur"] for e in kernels) / 1e3,
-        # inside the step (the profiler's own synchronisation after it is not the step's)
-        "syncs": sum(e["name"] in _SYNCS and start <= e["ts"] <= end for e in runtime),
     }
 
 

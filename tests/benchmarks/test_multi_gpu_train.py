@@ -73,6 +73,8 @@ def test_options():
         module.parse_args(["--layers", "0"])
     with pytest.raises(SystemExit):  # one step of it would be one variant's
         module.parse_args(["--max-batch", "4", "--max-batch-methods", "lce_patch_interleaved"])
+    with pytest.raises(SystemExit):  # the profiled step is the last warm-up one, never a timed one
+        module.parse_args(["--profile", "profiles", "--warmup", "1"])
     # Every model's config builds, cut to --layers, with the real vocabulary and softcap.
     config = module.model_config(module.parse_args(["--model", "gemma-2-9b", "--layers", "2"]))
     assert (config.num_hidden_layers, config.vocab_size, config.final_logit_softcapping) == (2, 256000, 30.0)
@@ -127,22 +129,33 @@ def test_cpu_smoke_methods_and_search(tmp_path):
 @pytest.mark.slow
 def test_cpu_smoke_tensor_parallel(tmp_path):
     methods = "unpatched,lce_patch,lce_patch_interleaved"
-    report = _launch(tmp_path, "--tp", "2", "--model", "gemma-2-9b", "--methods", methods)
+    profiles = tmp_path / "profiles"
+    options = ["--tp", "2", "--model", "gemma-2-9b", "--methods", methods, "--warmup", "2", "--profile", str(profiles)]
+    report = _launch(tmp_path, *options)
     assert (report["engine"], report["tp_size"], report["dp_size"]) == ("tp2", 2, 1)
     methods = report["methods"]
     assert methods["unpatched"]["status"] == "ok", methods["unpatched"]
     assert methods["lce_patch"]["status"] == "ok", methods["lce_patch"]
     assert methods["lce_patch"]["lce_patch_active"]
     assert _close(methods["lce_patch"]["losses"], methods["unpatched"]["losses"])
-    # The interleaved method: one model and Trainer, 2 x (1 + 2) steps, the loss switched before each step
+    # The interleaved method: one model and Trainer, 2 x (2 + 2) steps, the loss switched before each step
     interleaved = methods["lce_patch_interleaved"]
     assert interleaved["status"] == "ok", interleaved
-    assert interleaved["switched_right"] and len(interleaved["step_s"]) == 6
+    assert interleaved["switched_right"] and len(interleaved["step_s"]) == 8
     for variant in ("unpatched", "lce_patch"):
         numbers = interleaved["variants"][variant]
         assert numbers["timed_steps"] == 2 and numbers["tokens_per_s_per_gpu"] > 0
     low, high = interleaved["time_ratio_interval95"]
     assert low <= interleaved["time_ratio"] <= high
+    # --profile: rank 0's last warm-up step per method (the interleaved method's last two, one per loss), each a
+    # trace and an op table on disk and its summary in the JSON
+    assert [(p["step"], p["loss"]) for p in methods["lce_patch"]["profile_rank0"]] == [(1, "lce_patch")]
+    assert [(p["step"], p["loss"]) for p in methods["unpatched"]["profile_rank0"]] == [(1, "unpatched")]
+    profiled = [(p["step"], p["loss"]) for p in interleaved["profile_rank0"]]
+    assert profiled == [(2, "lce_patch"), (3, "unpatched")]  # steps A B B A: the third and fourth
+    for summary in interleaved["profile_rank0"]:
+        assert summary["host_ms"] > 0 and summary["cpu_ops"] > 0 and summary["syncs"] == 0
+    assert len(list(profiles.glob("*.json.gz"))) == 4 and len(list(profiles.glob("*.txt"))) == 4
 
 
 def test_interleaved_summary_splits_the_steps_by_variant():

@@ -159,6 +159,7 @@ def test_tp_check_step_work_reads_a_trace():
             event("cuda_runtime", "cudaDeviceSynchronize", 4500.0, 10.0),  # the profiler's, after the step
             event("kernel", "gemm", 1200.0, 700.0),
             event("kernel", "add", 3200.0, 300.0),
+            event("kernel", "ncclDevKernel_AllReduce_Sum_bf16_RING_LL", 3600.0, 250.0),
             {"ph": "i", "cat": "kernel", "name": "marker", "ts": 0.0},
         ]
     }
@@ -166,7 +167,8 @@ def test_tp_check_step_work_reads_a_trace():
         "host_ms": 3.0,
         "cpu_ops": 2,
         "launches": 2,
-        "gpu_busy_ms": 1.0,
+        "gpu_busy_ms": 1.25,
+        "collective_ms": 0.25,
         "syncs": 1,
     }
     assert tp_check.step_work({"traceEvents": []})["host_ms"] == 0.0
