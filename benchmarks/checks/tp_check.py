@@ -39,6 +39,12 @@ JSON) and a ``key_averages`` table of one unpatched and one patched step at the 
 and reports each profiled step's host span, GPU busy time, kernel launches and synchronisations (``step_work``):
 a step whose host span is well above its GPU busy time is bound by the host, and there the launches decide.
 
+``--compile [BACKEND]`` runs the model under ``torch.compile`` (inductor; aot_eager on CPU) and reports per variant
+the graphs and graph breaks its warm-up compiled, with their reasons (the vocabulary-parallel op runs eagerly, a
+graph break on each side of it), and that no graph was compiled inside the timed steps (one extra untimed step
+of each variant first: switching the patch recompiles once). ``--no-checkpointing`` leaves gradient
+checkpointing off (torch 2.13's AOT autograd fails on a compiled, checkpointed model with DTensor weights).
+
 ``--same-device`` puts every rank on cuda:0 with the gloo backend: a check of the values on one GPU
 (its times and memory mean nothing). ``--cpu`` runs both parts on a tiny shape in fp32 on CPU processes over
 gloo (``torchrun --nproc_per_node 2 benchmarks/checks/tp_check.py --cpu --part model``): a smoke test, run in CI.
@@ -62,7 +68,9 @@ import sys
 import tempfile
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -141,12 +149,27 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     parser.add_argument("--no-reference", action="store_true", help="model part: skip the one-process loss")
     parser.add_argument(
+        "--no-checkpointing",
+        action="store_true",
+        help="model part: without gradient checkpointing (on by default; with --compile on DTensor weights some "
+        "torch versions fail in AOT autograd with it: torch 2.13 saves the DeviceMesh among the tensors)",
+    )
+    parser.add_argument(
         "--rtol-reference",
         type=float,
         default=None,
         help="model part: loss vs one process, relative (default 1e-2 in bf16, 1e-5 with --cpu)",
     )
     parser.add_argument("--profile", default=None, help="model part: write a profile of one step per variant here")
+    parser.add_argument(
+        "--compile",
+        nargs="?",
+        const="inductor",
+        default=None,
+        metavar="BACKEND",
+        help="model part: run the model under torch.compile (default backend inductor; aot_eager on CPU) and "
+        "report each variant's graphs and graph breaks",
+    )
     parser.add_argument(
         "--same-device", action="store_true", help="all ranks on cuda:0 over gloo (checks values; no timing)"
     )
@@ -169,6 +192,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error("--fsdp-size > 1 needs --api distributed_config (tp_plan= gives tensor parallelism only)")
     if args.warmup < 1 or args.steps < 1:
         parser.error("--warmup and --steps must be at least 1")
+    if args.compile is not None and args.part != "model":
+        parser.error("--compile compiles the model: --part model")
+    if args.compile == "inductor" and args.cpu:
+        args.compile = "aot_eager"  # the smoke test checks the graphs, not the generated code
     return args
 
 
@@ -368,6 +395,7 @@ def measure(args, model, step, variant: str, tokens: int, rank: int, device: tor
     the rest of the warm-up, and a profiled step if asked. The timed steps come after, interleaved
     (:func:`time_interleaved`)."""
     cuda = device.type == "cuda"
+    graphs_before = compile_counters()
     with OpCalls() as op_calls:
         loss = step()  # the values compared (and the first warm-up step)
     grads = {}
@@ -378,17 +406,39 @@ def measure(args, model, step, variant: str, tokens: int, rank: int, device: tor
     model.zero_grad(set_to_none=True)
     for _ in range(args.warmup - 1):
         step()
+    compiled = compile_delta(graphs_before, compile_counters()) if args.compile else None
     work = None
     if args.profile and tokens == args.tokens[0]:
         work = profile_step(args, step, variant, tokens, rank, cuda)
     model.zero_grad(set_to_none=True)
     return {
+        **({"compiled": compiled} if compiled is not None else {}),
         "loss": float(loss),
         "grads": grads,
         "op_calls": len(op_calls.calls),
         "op_weight": op_calls.calls[0] if op_calls.calls else None,
         **({"profiled_step": work} if work is not None else {}),
     }
+
+
+def compile_counters() -> dict[str, Any]:
+    """Dynamo's running counts: graphs compiled and graph breaks by reason (empty before any compilation)."""
+    from torch._dynamo.utils import counters
+
+    return {"graphs": counters["stats"]["unique_graphs"], "breaks": dict(counters["graph_break"])}
+
+
+def compile_delta(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+    """What the warm-up of one variant compiled: graphs, graph breaks, and the breaks' reasons (first line of
+    each, the counts summed by reason). The first step traces with the check's own op counter wrapped around the
+    op (its list append and shape reads), the later ones without it, so a variant compiles its graphs twice."""
+    reasons: dict[str, int] = {}
+    for reason, count in after["breaks"].items():
+        new = count - before["breaks"].get(reason, 0)
+        if new > 0:
+            line = str(reason).splitlines()[0][:160]
+            reasons[line] = reasons.get(line, 0) + new
+    return {"graphs": after["graphs"] - before["graphs"], "graph_breaks": sum(reasons.values()), "reasons": reasons}
 
 
 def set_variant(model, variant: str) -> None:
@@ -448,11 +498,17 @@ def time_interleaved(args, model, step, variants: list[str], device: torch.devic
 
 
 def train_step(
-    model: torch.nn.Module, ids: torch.Tensor, labels: torch.Tensor, num_items: torch.Tensor, dp_size: int
+    model: torch.nn.Module,
+    ids: torch.Tensor,
+    labels: torch.Tensor,
+    num_items: torch.Tensor,
+    dp_size: int,
+    runner: Callable[..., Any] | None = None,
 ) -> torch.Tensor:
-    """Forward and backward of one rank's rows; the rank's loss (detached)."""
+    """Forward (through ``runner``, the compiled model, if given) and backward of one rank's rows; the rank's
+    loss (detached)."""
     model.zero_grad(set_to_none=True)
-    out = model(input_ids=ids, labels=labels, num_items_in_batch=num_items)
+    out = (model if runner is None else runner)(input_ids=ids, labels=labels, num_items_in_batch=num_items)
     (out.loss * dp_size).backward()
     return out.loss.detach()
 
@@ -462,7 +518,9 @@ def check_model(args, rank: int, world: int, device: torch.device) -> list[dict]
     path = save_model(args, rank, device)
     model = load_distributed(args, path, world)
     model.train()
-    model.gradient_checkpointing_enable()
+    if not args.no_checkpointing:
+        model.gradient_checkpointing_enable()
+    runner = torch.compile(model, backend=args.compile) if args.compile else None
     dp_size = args.fsdp_size if args.api == "distributed_config" else 1
     tp_size = world // dp_size
     dp_index = rank // tp_size  # transformers' mesh (pp, dp_replicate, fsdp, tp) in row-major rank order
@@ -490,7 +548,7 @@ def check_model(args, rank: int, world: int, device: torch.device) -> list[dict]
         # the gradients are then those of the whole batch's mean loss, as the Trainer makes them.
         num_items = torch.tensor(int((global_labels[:, 1:] != -100).sum()), device=device)
 
-        step = functools.partial(train_step, model, ids, labels, num_items, dp_size)
+        step = functools.partial(train_step, model, ids, labels, num_items, dp_size, runner)
 
         results = {}
         for variant in ("unpatched", "patched"):
@@ -504,8 +562,16 @@ def check_model(args, rank: int, world: int, device: torch.device) -> list[dict]
                 if cuda:
                     torch.cuda.empty_cache()
         timed = [variant for variant in ("unpatched", "patched") if "oom" not in results[variant]]
+        if args.compile:  # one more step of each after the other: the graphs of a variant switch compiled too
+            for variant in timed:
+                set_variant(model, variant)
+                step()
+        before = compile_counters()
         for variant, summary in time_interleaved(args, model, step, timed, device, model_bytes).items():
             results[variant].update(summary)
+        if args.compile:  # graphs compiled inside the timed steps would make their times meaningless
+            for variant in timed:
+                results[variant]["graphs_in_timed_steps"] = compile_counters()["graphs"] - before["graphs"]
         set_variant(model, "unpatched")
         grads_u, grads_p = results["unpatched"].pop("grads"), results["patched"].pop("grads")
         errors = {name: rel_l2(grads_p[name], grads_u[name]) for name in grads_u if name in grads_p}
@@ -579,6 +645,11 @@ def summarize_model(args, tokens: int, ranks: list[dict], loss_tol: float, grad_
         }
         if "profiled_step" in ranks[0][variant]:
             row[variant]["profiled_step_rank0"] = ranks[0][variant]["profiled_step"]
+        if "compiled" in ranks[0][variant]:
+            row[variant]["compiled_rank0"] = {
+                **ranks[0][variant]["compiled"],
+                "graphs_in_timed_steps": max(r[variant]["graphs_in_timed_steps"] for r in ranks),
+            }
     if "oom" not in row["unpatched"] and "oom" not in row["patched"]:
         # A step's time is its slowest rank's (every step ends with a synchronisation on every rank).
         steps = {
@@ -619,7 +690,8 @@ def summarize_model(args, tokens: int, ranks: list[dict], loss_tol: float, grad_
 def print_model_table(report: dict) -> None:
     print(
         f"\n{report['arch']}, world size {report['world_size']}, {report['layout']} ({report['api']}), "
-        f"{report['warmup']} warm-up + {report['steps']} timed steps; ms per step on the slowest rank "
+        + (f"torch.compile ({report['compile_backend']}), " if report.get("compile_backend") else "")
+        + f"{report['warmup']} warm-up + {report['steps']} timed steps; ms per step on the slowest rank "
         "(median, p10-p90, min-max), peak MiB above the model (max over ranks)"
     )
     header = f"{'tokens':>7} {'variant':>9} {'median':>9} {'p10-p90':>17} {'min-max':>17} {'MiB':>8} {'loss':>10}"
@@ -637,6 +709,15 @@ def print_model_table(report: dict) -> None:
                 f"{v['peak_mib']:>8.0f} {v['loss']:>10.5f}  " + ("-" if ref is None else f"{ref:.2e}")
             )
         for variant in ("unpatched", "patched"):
+            compiled = row[variant].get("compiled_rank0")
+            if compiled:
+                reasons = "; ".join(f"{count} x {reason}" for reason, count in compiled["reasons"].items())
+                print(
+                    f"{'':>7} {variant:>9} compiled (rank 0, warm-up): {compiled['graphs']} graphs, "
+                    f"{compiled['graph_breaks']} graph breaks"
+                    + (f" ({reasons})" if reasons else "")
+                    + f"; {compiled['graphs_in_timed_steps']} graphs compiled in the timed steps"
+                )
             work = row[variant].get("profiled_step_rank0")
             if work:
                 print(
@@ -721,8 +802,10 @@ def main(argv=None) -> int:
                 seq_len=args.seq_len,
                 warmup=args.warmup,
                 steps=args.steps,
+                compile_backend=args.compile,
+                gradient_checkpointing=not args.no_checkpointing,
             )
-            name = f"tp_check_model_{args.arch}_{layout_name(args)}"
+            name = f"tp_check_model_{args.arch}_{layout_name(args)}" + ("_compiled" if args.compile else "")
         ok = all(run["ok"] for run in runs)
         report.update(runs=runs, ok=ok)
         print(json.dumps(report, indent=1))

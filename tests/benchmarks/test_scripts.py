@@ -110,6 +110,9 @@ TP_CHECK_CASES = [
     ("op", "gemma2", 2, [], ""),
     ("model", "llama", 2, ["--api", "tp_plan", "--profile"], "tp2_tpplan"),  # the older spelling, tp_plan="auto"
     ("model", "gemma2", 2, ["--tokens", "128", "256"], "tp2_fsdp1"),  # DistributedConfig(tp_size=2), two counts
+    # torch.compile of the sharded model (aot_eager on CPU); without checkpointing, which torch 2.13's AOT
+    # autograd refuses on DTensor weights under compile (it saves the DeviceMesh among the tensors)
+    ("model", "llama", 2, ["--compile", "--no-checkpointing"], "tp2_fsdp1"),
 ]
 # DistributedConfig(fsdp_size=2) and (tp_size=2, fsdp_size=2) run the same loading and step; their values against
 # one process are tests/models/test_distributed_config.py's, so the script is launched with them on the GPU only.
@@ -195,6 +198,7 @@ def test_tp_check_on_cpu(part, arch, processes, extra, layout, tmp_path):
     label = f"{arch} world_size={processes}" + (f" {layout}" if layout else "")
     assert f"PASS tp_check {part} {label}" in result.stdout
     name = f"tp_check_model_{arch}_{layout}" if part == "model" else f"tp_check_op_{arch}_w{processes}"
+    name += "_compiled" if "--compile" in extra else ""
     report = json.loads((tmp_path / f"{name}.json").read_text())
     assert report["ok"] and all(len(run["ranks"]) == processes for run in report["runs"])
     if part == "model":
@@ -211,6 +215,12 @@ def test_tp_check_on_cpu(part, arch, processes, extra, layout, tmp_path):
             assert work["host_ms"] > 0 and work["cpu_ops"] > 0 and work["launches"] == work["gpu_busy_ms"] == 0
             assert len(list((tmp_path / "profile").glob(f"tp_check_{arch}_{layout}_*_{variant}_rank0.*"))) == 2
         assert "kernel launches" in result.stdout
+    if "--compile" in extra:  # the vocabulary-parallel op runs eagerly: the patched graph breaks there, only there
+        assert report["compile_backend"] == "aot_eager" and not report["gradient_checkpointing"]
+        unpatched, patched = (report["runs"][0][variant]["compiled_rank0"] for variant in ("unpatched", "patched"))
+        assert unpatched["graph_breaks"] == 0 and patched["graph_breaks"] > 0
+        assert all("torch.compiler.disable" in reason for reason in patched["reasons"]), patched["reasons"]
+        assert unpatched["graphs_in_timed_steps"] == patched["graphs_in_timed_steps"] == 0
 
 
 @pytest.mark.slow
