@@ -706,13 +706,13 @@ def make_trainer(
 ):
     from lce_patch import FusedLCECallback
 
-    callbacks = [clock.callback]
+    # The profiler first: its stop and trace export (seconds for an 8B step) then end before the clock reads the
+    # step's end, so they land in the profiled warm-up step, not in the next one, which may be timed.
+    callbacks = ([profiler.callback] if profiler is not None else []) + [clock.callback]
     if "lce_patch" in method:
         callbacks.append(FusedLCECallback())
     if switch is not None:
         callbacks.append(switch.callback)
-    if profiler is not None:  # last: its step starts after the loss is switched, ends after the clock's sync
-        callbacks.append(profiler.callback)
     deepspeed = deepspeed_stage() is not None
     common: dict[str, Any] = dict(
         output_dir=os.path.join(tempfile.gettempdir(), "multi_gpu_train"),
