@@ -19,8 +19,9 @@ step time. The loading (``--api``):
   * ``distributed_config`` (the default where transformers has it, 5.24 and later):
     ``from_pretrained(..., distributed_config=DistributedConfig(tp_size=T, fsdp_size=F))`` with
     ``T = world / F`` (``--fsdp-size F``, default 1): tensor parallelism (F=1), TP x FSDP2 (both > 1), or
-    FSDP2 alone (``--fsdp-size`` = the world size). Each FSDP rank takes its own rows of the global batch
-    (``--tokens`` per FSDP rank, the same on the ranks of one TP group).
+    FSDP2 alone (``--fsdp-size`` = the world size); ``--replicate-size R`` adds HSDP replicas
+    (``dp_replicate_size=R``, ``T = world / (F x R)``). Each data-parallel rank takes its own rows of the global batch
+    (``--tokens`` per data-parallel rank, the same on the ranks of one TP group).
   * ``tp_plan``: ``from_pretrained(..., tp_plan="auto")``, the older spelling (tensor parallelism only).
 
 Timing: ``--warmup`` steps per variant (default 3; compilation and autotuning stay out of the timed steps), then
@@ -147,6 +148,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="model part, --api distributed_config: FSDP2 ranks; tp_size = world size / fsdp_size "
         "(the world size: FSDP2 alone)",
     )
+    parser.add_argument(
+        "--replicate-size",
+        type=int,
+        default=1,
+        help="model part, --api distributed_config: HSDP replicas (DistributedConfig(dp_replicate_size=)) of the "
+        "FSDP2 group; tp_size = world size / (fsdp_size x replicate_size)",
+    )
     parser.add_argument("--no-reference", action="store_true", help="model part: skip the one-process loss")
     parser.add_argument(
         "--no-checkpointing",
@@ -190,6 +198,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         )
     if args.fsdp_size < 1 or (args.fsdp_size > 1 and args.api != "distributed_config"):
         parser.error("--fsdp-size > 1 needs --api distributed_config (tp_plan= gives tensor parallelism only)")
+    if args.replicate_size < 1 or (args.replicate_size > 1 and args.api != "distributed_config"):
+        parser.error("--replicate-size > 1 needs --api distributed_config")
     if args.warmup < 1 or args.steps < 1:
         parser.error("--warmup and --steps must be at least 1")
     if args.compile is not None and args.part != "model":
@@ -298,7 +308,9 @@ def load_distributed(args, path: Path, world: int) -> torch.nn.Module:
             warnings.simplefilter("ignore")  # deprecated in recent transformers, current in older ones
             return AutoModelForCausalLM.from_pretrained(path, tp_plan="auto", dtype=dtype)
     config_class = distributed_config_class()
-    sizes = dict(tp_size=world // args.fsdp_size, fsdp_size=args.fsdp_size)
+    sizes = dict(tp_size=world // data_parallel_size(args), fsdp_size=args.fsdp_size)
+    if args.replicate_size > 1:
+        sizes["dp_replicate_size"] = args.replicate_size
     return AutoModelForCausalLM.from_pretrained(path, distributed_config=config_class(**sizes), dtype=dtype)
 
 
@@ -372,11 +384,17 @@ def profile_step(args, step, variant: str, tokens: int, rank: int, cuda: bool) -
     return step_work(json.loads((out / f"{stem}.json").read_text()))
 
 
+def data_parallel_size(args) -> int:
+    """Data-parallel ranks (each its own rows of the batch): FSDP2's times HSDP's replicas; 1 under tp_plan."""
+    return args.fsdp_size * args.replicate_size if args.api == "distributed_config" else 1
+
+
 def layout_name(args) -> str:
     world = dist.get_world_size()
     if args.api == "tp_plan":
         return f"tp{world}_tpplan"
-    return f"tp{world // args.fsdp_size}_fsdp{args.fsdp_size}"
+    replicas = f"_replicate{args.replicate_size}" if args.replicate_size > 1 else ""
+    return f"tp{world // data_parallel_size(args)}_fsdp{args.fsdp_size}{replicas}"
 
 
 def global_batch(args, tokens: int, dp_size: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -521,11 +539,11 @@ def check_model(args, rank: int, world: int, device: torch.device) -> list[dict]
     if not args.no_checkpointing:
         model.gradient_checkpointing_enable()
     runner = torch.compile(model, backend=args.compile) if args.compile else None
-    dp_size = args.fsdp_size if args.api == "distributed_config" else 1
+    dp_size = data_parallel_size(args)
     tp_size = world // dp_size
     dp_index = rank // tp_size  # transformers' mesh (pp, dp_replicate, fsdp, tp) in row-major rank order
     mesh = getattr(model, "_device_mesh", None)
-    if mesh is not None and "fsdp" in (mesh.mesh_dim_names or ()):
+    if mesh is not None and "fsdp" in (mesh.mesh_dim_names or ()) and args.replicate_size == 1:
         dp_index = mesh.get_local_rank("fsdp")
     cuda = device.type == "cuda"
     model_bytes = torch.cuda.memory_allocated(device) if cuda else 0
@@ -750,8 +768,10 @@ def main(argv=None) -> int:
     # A rank that fails alone (out of memory in a step) leaves the others in a collective: end them in minutes.
     dist.init_process_group("gloo" if args.same_device or args.cpu else "nccl", timeout=datetime.timedelta(minutes=5))
     rank, world = dist.get_rank(), dist.get_world_size()
-    if args.part == "model" and world % args.fsdp_size:
-        raise SystemExit(f"--fsdp-size {args.fsdp_size} does not divide the world size {world}")
+    if args.part == "model" and world % (args.fsdp_size * args.replicate_size):
+        raise SystemExit(
+            f"--fsdp-size {args.fsdp_size} x --replicate-size {args.replicate_size} does not divide the world size {world}"
+        )
     if args.part == "op":
         result = [check_op(args, tokens, rank, world, device) for tokens in args.tokens]
     else:
@@ -796,8 +816,9 @@ def main(argv=None) -> int:
             report.update(
                 api=args.api,
                 layout=layout_name(args),
-                tp_size=world // args.fsdp_size,
+                tp_size=world // data_parallel_size(args),
                 fsdp_size=args.fsdp_size,
+                replicate_size=args.replicate_size,
                 layers=args.layers,
                 seq_len=args.seq_len,
                 warmup=args.warmup,

@@ -113,6 +113,8 @@ TP_CHECK_CASES = [
     # torch.compile of the sharded model (aot_eager on CPU); without checkpointing, which torch 2.13's AOT
     # autograd refuses on DTensor weights under compile (it saves the DeviceMesh among the tensors)
     ("model", "llama", 2, ["--compile", "--no-checkpointing"], "tp2_fsdp1"),
+    # HSDP, DistributedConfig(fsdp_size=2, dp_replicate_size=2): two replicas of a two-way FSDP2 group
+    ("model", "llama", 4, ["--fsdp-size", "2", "--replicate-size", "2"], "tp1_fsdp2_replicate2"),
 ]
 # DistributedConfig(fsdp_size=2) and (tp_size=2, fsdp_size=2) run the same loading and step; their values against
 # one process are tests/models/test_distributed_config.py's, so the script is launched with them on the GPU only.

@@ -4,9 +4,10 @@
 device mesh: tensor parallelism (the LM head a vocab-sharded DTensor, on which the patched forward runs the
 vocabulary-parallel loss), FSDP2 (``fully_shard``: the head weight gathered inside the head's call, where the
 patched forward reads it), or both (the head a DTensor over the two dimensions, gathered along FSDP's inside
-the call, vocab-sharded along TP's). Each FSDP rank takes its own rows of the batch, with the whole batch's
-``num_items_in_batch`` and its loss times the FSDP size (FSDP2 averages the gradients), as the Trainer does.
-The loss (summed over the FSDP ranks) and every gradient (gathered whole) must equal one unpatched process on
+the call, vocab-sharded along TP's); also HSDP (``dp_replicate_size``: replicas of an FSDP2 group) and
+transformers' sequence-parallel plan. Each data-parallel rank takes its own rows of the batch, with the whole
+batch's ``num_items_in_batch`` and its loss times the data-parallel size (FSDP2 averages the gradients), as the
+Trainer does. The loss (summed over the data-parallel ranks) and every gradient (gathered whole) must equal one unpatched process on
 the whole model and batch; so must the unpatched distributed model (a check of the setup).
 """
 
@@ -51,8 +52,11 @@ def _step(model, batch, scale: int = 1) -> tuple[torch.Tensor, dict[str, torch.T
     return loss.detach(), {name: _full(p.grad) for name, p in model.named_parameters() if p.grad is not None}
 
 
-def _worker(rank: int, world_size: int, path: str, tp_size: int, fsdp_size: int) -> None:
-    sizes = dict(tp_size=tp_size, fsdp_size=fsdp_size)
+def _worker(rank: int, world_size: int, path: str, tp_size: int, fsdp_size: int, extra: dict) -> None:
+    sizes = dict(tp_size=tp_size, fsdp_size=fsdp_size, **extra)
+    # data-parallel ranks: FSDP's, times the replicas of HSDP (dp_replicate_size); each takes its own rows and
+    # scales its loss by their count (the gradients are averaged over all of them)
+    dp_size = fsdp_size * extra.get("dp_replicate_size", 1)
     model = AutoModelForCausalLM.from_pretrained(
         path, distributed_config=DistributedConfig(**sizes), dtype=torch.float32
     )
@@ -69,16 +73,16 @@ def _worker(rank: int, world_size: int, path: str, tp_size: int, fsdp_size: int)
     num_items = torch.tensor(int((labels[:, 1:] != -100).sum()))
     ref_loss, ref_grads = _step(reference, dict(input_ids=input_ids, labels=labels, num_items_in_batch=num_items))
 
-    fsdp_index = rank // tp_size  # the mesh's (..., fsdp, tp) order
-    rows = slice(fsdp_index * ROWS // fsdp_size, (fsdp_index + 1) * ROWS // fsdp_size)
+    dp_index = rank // tp_size  # the mesh's (..., dp_replicate, fsdp, tp) order
+    rows = slice(dp_index * ROWS // dp_size, (dp_index + 1) * ROWS // dp_size)
     batch = dict(input_ids=input_ids[rows], labels=labels[rows], num_items_in_batch=num_items)
 
     def whole_batch_loss(loss: torch.Tensor) -> torch.Tensor:
-        total = loss.clone() if rank % tp_size == 0 else torch.zeros_like(loss)  # one rank per FSDP index
+        total = loss.clone() if rank % tp_size == 0 else torch.zeros_like(loss)  # one rank per data-parallel index
         dist.all_reduce(total)
         return total
 
-    loss, grads = _step(model, batch, scale=fsdp_size)  # unpatched: the setup agrees with one process
+    loss, grads = _step(model, batch, scale=dp_size)  # unpatched: the setup agrees with one process
     assert rel_err(whole_batch_loss(loss), ref_loss) <= 1e-5
     for name, grad in grads.items():
         assert rel_err(grad, ref_grads[name]) <= 1e-5, f"unpatched, rank {rank}: {name}"
@@ -93,7 +97,7 @@ def _worker(rank: int, world_size: int, path: str, tp_size: int, fsdp_size: int)
 
     lce_forward.fused_linear_cross_entropy = recorded
     try:
-        loss, grads = _step(model, batch, scale=fsdp_size)
+        loss, grads = _step(model, batch, scale=dp_size)
     finally:
         lce_forward.fused_linear_cross_entropy = original
     (weight,) = heads
@@ -109,16 +113,30 @@ def _worker(rank: int, world_size: int, path: str, tp_size: int, fsdp_size: int)
 
 
 @pytest.mark.parametrize(
-    "arch,tp_size,fsdp_size",
+    "arch,tp_size,fsdp_size,extra",
     [
-        ("llama", 2, 1),
-        ("gemma2", 2, 1),  # gemma2: final_logit_softcapping=2.0 (tiny.py), through the vocabulary-parallel op
-        ("llama", 1, 2),  # FSDP2 gathers the whole head, as DDP has it: the softcap path is the one-GPU op's
-        ("llama", 2, 2),
-        ("gemma2", 2, 2),
+        ("llama", 2, 1, {}),
+        ("gemma2", 2, 1, {}),  # gemma2: final_logit_softcapping=2.0 (tiny.py), through the vocabulary-parallel op
+        ("qwen2", 2, 1, {}),
+        ("llama", 1, 2, {}),  # FSDP2 gathers the whole head, as DDP has it: the softcap path is the one-GPU op's
+        ("llama", 2, 2, {}),
+        ("gemma2", 2, 2, {}),
+        ("llama", 1, 2, {"dp_replicate_size": 2}),  # HSDP: two replicas of a two-way FSDP2, the head whole inside
+        # transformers' sequence-parallel plan (in 5.24 the head still gets replicated hidden states)
+        ("llama", 2, 1, {"enable_sequence_parallel": True}),
     ],
-    ids=["tensor-parallel-llama", "tensor-parallel-gemma2", "fsdp2-llama", "tp-x-fsdp2-llama", "tp-x-fsdp2-gemma2"],
+    ids=[
+        "tensor-parallel-llama",
+        "tensor-parallel-gemma2",
+        "tensor-parallel-qwen2",
+        "fsdp2-llama",
+        "tp-x-fsdp2-llama",
+        "tp-x-fsdp2-gemma2",
+        "hsdp-llama",
+        "tensor-parallel-sequence-parallel-llama",
+    ],
 )
-def test_patched_model_under_distributed_config(arch, tp_size, fsdp_size, tmp_path):
+def test_patched_model_under_distributed_config(arch, tp_size, fsdp_size, extra, tmp_path):
     tiny_model(arch, vocab_size=VOCAB, tie_word_embeddings=True).save_pretrained(tmp_path)
-    run_ranks(_worker, tp_size * fsdp_size, str(tmp_path), tp_size, fsdp_size)
+    world = tp_size * fsdp_size * extra.get("dp_replicate_size", 1)
+    run_ranks(_worker, world, str(tmp_path), tp_size, fsdp_size, extra)
