@@ -5,7 +5,7 @@ an engine, several loss setups, the "methods") and draws a panel per launch, a b
 the bar labelled with its peak GiB per GPU; a method that did not run in a launch (or ran out of memory) is said in
 words where its bar would be. Beside the chart it writes the same numbers as a Markdown table (same name, ``.md``).
 The documentation's chart and table (``docs/assets/multi-gpu-benchmark.png``, ``docs/assets/multi-gpu-benchmark.md``)
-are this script's output on the committed four-H100 runs (FSDP2, and TP 2 x FSDP2 2):
+are this script's output on the committed four-GPU runs (four H100s; the 32k-token FSDP2 columns four H200s):
 
     python benchmarks/plot_multi_gpu.py                     # the default results -> docs/assets/multi-gpu-benchmark.{png,md}
     python benchmarks/plot_multi_gpu.py --results A.json B.json --out chart.png
@@ -34,10 +34,12 @@ DEFAULT_RESULTS: tuple[Path | tuple[Path, ...], ...] = (
             "fsdp2_llama-3.1-8b_8192",
             "fsdp2_qwen2.5-7b_8192",
             "fsdp2_gemma-2-9b_8192",
-            "fsdp2_llama-3.1-8b_32768",
-            "fsdp2_llama-3.1-8b-lora_8192",
         )
     ),
+    # 32k tokens: every method in one launch on four H200s (the four-H100 launch left two methods out for time)
+    _RESULTS / "2026-11-28_4xh200_multi_gpu_train_fsdp2_llama-3.1-8b_32768_918c8d6.json",
+    _RESULTS / "2026-11-28_4xh200_multi_gpu_train_fsdp2_qwen2.5-7b_32768_918c8d6.json",
+    _RESULTS / "2026-11-27_4xh100_multi_gpu_train_fsdp2_llama-3.1-8b-lora_8192.json",
     tuple(_RESULTS / f"2026-11-28_4xh100_multi_gpu_train_zero3_llama-3.1-8b_8192_{m}_64453c6.json" for m in _ZERO3),
     _RESULTS / "2026-11-27_4xh100_multi_gpu_train_tp2xfsdp2_llama-3.1-8b_8192.json",
     _RESULTS / "2026-11-28_4xh100_multi_gpu_train_tp4_llama-3.1-8b_8192_run2_64453c6.json",
@@ -400,7 +402,7 @@ def main() -> None:
         nargs="+",
         default=list(DEFAULT_RESULTS),
         help="multi_gpu_train.py JSON files, a panel and a column each, in this order; A.json+B.json makes one "
-        "column of launches of one setup (default: the committed four-H100 runs)",
+        "column of launches of one setup (default: the committed four-GPU runs)",
     )
     parser.add_argument(
         "--out", type=Path, default=DEFAULT_OUT, help="PNG to write; the table goes beside it (default: %(default)s)"

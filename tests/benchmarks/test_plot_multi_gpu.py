@@ -48,6 +48,7 @@ def test_docs_table_is_the_scripts_output_on_the_committed_results(tmp_path, mon
         "Qwen2.5-7B, 8192 tok/GPU, FSDP2",
         "Gemma-2-9B, 8192 tok/GPU, FSDP2",
         "Llama-3.1-8B, 32768 tok/GPU, FSDP2",
+        "Qwen2.5-7B, 32768 tok/GPU, FSDP2",
         "Llama-3.1-8B LoRA, 8192 tok/GPU, FSDP2",
         "Llama-3.1-8B, 8192 tok/GPU, DeepSpeed ZeRO-3",
         "Llama-3.1-8B, 4096 tok/GPU, tensor parallel 2 x FSDP2 2",
@@ -55,7 +56,7 @@ def test_docs_table_is_the_scripts_output_on_the_committed_results(tmp_path, mon
     ]
     # Every entry is its JSON's numbers (the ZeRO-3 column's from five launches, one method each); the best loss
     # option and the best setup of each column in bold.
-    assert len(columns[5]) == 5
+    assert len(columns[6]) == 5
     for index, paths in enumerate(columns):
         reports = [json.loads(path.read_text()) for path in paths]
         for method, label in plot.METHODS.items():
@@ -74,13 +75,20 @@ def test_docs_table_is_the_scripts_output_on_the_committed_results(tmp_path, mon
     assert qwen == "**7484 / 18.3 GiB**"  # the best loss option
     assert _row(table, "Liger's other kernels + lce_patch")[1] == "**8899 / 17.5 GiB**"  # the best setup
     assert _row(table, "Liger fused loss")[1] == "7292 / 18.3 GiB"
-    assert _row(table, "unpatched")[3] == "–"  # not run: past the launch's time budget
-    assert _row(table, "Liger fused loss")[4] == "failed"  # under FSDP2 with LoRA: the head weight a DTensor
+    assert _row(table, "unpatched")[3] == "5235 / 68.2 GiB"  # 32k tokens, four H200s: every method in one launch
+    assert _row(table, "lce_patch")[4] == "**6249 / 28.5 GiB**"
+    assert _row(table, "Liger fused loss")[5] == "failed"  # under FSDP2 with LoRA: the head weight a DTensor
     caption = table.splitlines()[-1]
     assert "FSDP2 (DeepSpeed ZeRO-3 for Llama-3.1-8B, 8192 tok/GPU, DeepSpeed ZeRO-3; tensor parallel 2" in caption
-    assert "4 x NVIDIA H100 80GB HBM3, micro-batch 1" in caption and "torch 2.11.0" in caption
-    assert "commit 35a4fc5 (64453c6 for Llama-3.1-8B, 8192 tok/GPU, DeepSpeed ZeRO-3 / Llama-3.1-8B, 2048" in caption
-    assert _row(table, "Liger fused loss")[5] == "**5566 / 36.9 GiB**"  # ZeRO-3: Liger's loss the fastest there
+    assert (
+        "4 x NVIDIA H100 80GB HBM3 (4 x NVIDIA H200 for Llama-3.1-8B, 32768 tok/GPU, FSDP2 / Qwen2.5-7B, 32768"
+        in caption
+    )
+    assert "torch 2.11.0" in caption
+    assert (
+        "commit 35a4fc5 (918c8d6 for Llama-3.1-8B, 32768 tok/GPU, FSDP2 / Qwen2.5-7B, 32768 tok/GPU, FSDP2; " in caption
+    )
+    assert _row(table, "Liger fused loss")[6] == "**5566 / 36.9 GiB**"  # ZeRO-3: Liger's loss the fastest there
 
 
 def test_out_of_memory_skipped_and_left_behind_methods(tmp_path, monkeypatch):
