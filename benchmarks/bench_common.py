@@ -303,8 +303,9 @@ _SYNCS = {"cudaDeviceSynchronize", "cudaStreamSynchronize", "cudaEventSynchroniz
 def step_work(trace: dict) -> dict:
     """What one profiled step cost the host and the GPU, from its Chrome trace: the host's span (first to last
     operator, ms), operators, kernel launches, GPU busy time (kernels' durations summed, ms), the NCCL kernels'
-    part of it, and host-device synchronisations. A step whose host span is well above its GPU busy time is bound by the host: there the
-    kernel launches, not the FLOPs, set its time."""
+    part of it (their waits for the other ranks included), and host-device synchronisations. A step whose host
+    span is well above its GPU busy time is bound by the host: there the kernel launches, not the FLOPs, set its
+    time."""
     events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X"]
     ops = [e for e in events if e.get("cat") == "cpu_op"]
     runtime = [e for e in events if e.get("cat") in ("cuda_runtime", "cuda_driver")]

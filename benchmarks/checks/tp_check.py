@@ -20,8 +20,8 @@ step time. The loading (``--api``):
     ``from_pretrained(..., distributed_config=DistributedConfig(tp_size=T, fsdp_size=F))`` with
     ``T = world / F`` (``--fsdp-size F``, default 1): tensor parallelism (F=1), TP x FSDP2 (both > 1), or
     FSDP2 alone (``--fsdp-size`` = the world size); ``--replicate-size R`` adds HSDP replicas
-    (``dp_replicate_size=R``, ``T = world / (F x R)``). Each data-parallel rank takes its own rows of the global batch
-    (``--tokens`` per data-parallel rank, the same on the ranks of one TP group).
+    (``dp_replicate_size=R``, ``T = world / (F x R)``). Each data-parallel rank takes its own rows of the global
+    batch (``--tokens`` per data-parallel rank, the same on the ranks of one TP group).
   * ``tp_plan``: ``from_pretrained(..., tp_plan="auto")``, the older spelling (tensor parallelism only).
 
 Timing: ``--warmup`` steps per variant (default 3; compilation and autotuning stay out of the timed steps), then
@@ -770,7 +770,8 @@ def main(argv=None) -> int:
     rank, world = dist.get_rank(), dist.get_world_size()
     if args.part == "model" and world % (args.fsdp_size * args.replicate_size):
         raise SystemExit(
-            f"--fsdp-size {args.fsdp_size} x --replicate-size {args.replicate_size} does not divide the world size {world}"
+            f"--fsdp-size {args.fsdp_size} x --replicate-size {args.replicate_size} does not divide the world "
+            f"size {world}"
         )
     if args.part == "op":
         result = [check_op(args, tokens, rank, world, device) for tokens in args.tokens]

@@ -7,8 +7,8 @@ patched forward reads it), or both (the head a DTensor over the two dimensions, 
 the call, vocab-sharded along TP's); also HSDP (``dp_replicate_size``: replicas of an FSDP2 group) and
 transformers' sequence-parallel plan. Each data-parallel rank takes its own rows of the batch, with the whole
 batch's ``num_items_in_batch`` and its loss times the data-parallel size (FSDP2 averages the gradients), as the
-Trainer does. The loss (summed over the data-parallel ranks) and every gradient (gathered whole) must equal one unpatched process on
-the whole model and batch; so must the unpatched distributed model (a check of the setup).
+Trainer does. The loss (summed over the data-parallel ranks) and every gradient (gathered whole) must equal one
+unpatched process on the whole model and batch; so must the unpatched distributed model (a check of the setup).
 """
 
 from __future__ import annotations
@@ -64,6 +64,9 @@ def _worker(rank: int, world_size: int, path: str, tp_size: int, fsdp_size: int,
     model.train()
     reference.train()
     assert isinstance(model.lm_head.weight, torch.distributed.tensor.DTensor)
+    if "dp_replicate_size" in extra:  # HSDP: the head replicated over the replicas, sharded within each
+        placements = model.lm_head.weight.placements
+        assert len(placements) == 2 and placements[0].is_replicate() and placements[1].is_shard(), placements
 
     gen = torch.Generator().manual_seed(5)
     input_ids = torch.randint(0, VOCAB, (ROWS, 13), generator=gen)
