@@ -297,6 +297,26 @@ def ratio_interval(reference: list[float], candidate: list[float], rounds: int =
     return ratios[int(0.025 * rounds)], ratios[int(0.975 * rounds) - 1]
 
 
+def save_profile(prof, out: Path, name: str, cuda: bool, compress: bool = False) -> dict:
+    """Write a finished torch.profiler ``prof``: its Chrome trace (``name.json``, gzipped ``name.json.gz`` with
+    ``compress``) and its operator table by self device time (``name.txt``) into ``out``; :func:`step_work`'s
+    summary of the trace."""
+    import gzip
+    import json
+
+    out.mkdir(parents=True, exist_ok=True)
+    trace = out / f"{name}.json{'.gz' if compress else ''}"
+    prof.export_chrome_trace(str(trace))  # gzipped by torch for a .gz path
+    sort_by = "self_device_time_total" if cuda else "self_cpu_time_total"
+    try:
+        table = prof.key_averages().table(sort_by=sort_by, row_limit=60)
+    except (AttributeError, KeyError):  # torch versions that name the device column cuda_*
+        table = prof.key_averages().table(sort_by="self_cuda_time_total" if cuda else sort_by, row_limit=60)
+    (out / f"{name}.txt").write_text(table)
+    with gzip.open(trace, "rt") if compress else open(trace) as packed:
+        return step_work(json.load(packed))
+
+
 _SYNCS = {"cudaDeviceSynchronize", "cudaStreamSynchronize", "cudaEventSynchronize"}
 
 

@@ -607,30 +607,20 @@ class StepProfiler:
             def on_step_end(self, args, state, control, model=None, **kwargs):
                 if profiler.active is None:
                     return
-                import gzip
-
                 import torch
-                from bench_common import step_work
+                from bench_common import save_profile
 
                 from lce_patch.models import is_patched, unwrap_causal_lm
 
-                if torch.cuda.is_available():
+                cuda = torch.cuda.is_available()
+                if cuda:
                     torch.cuda.synchronize()
                 prof, profiler.active = profiler.active, None
                 prof.__exit__(None, None, None)
                 loss = "lce_patch" if is_patched(unwrap_causal_lm(model)) else "unpatched"
-                out = Path(directory)
-                out.mkdir(parents=True, exist_ok=True)
                 name = f"{stem}_step{state.global_step - 1}_{loss}_rank0"
-                trace_path = out / f"{name}.json"
-                prof.export_chrome_trace(str(trace_path))
-                trace = json.loads(trace_path.read_text())
-                with gzip.open(f"{trace_path}.gz", "wt") as packed:
-                    json.dump(trace, packed)
-                trace_path.unlink()
-                sort_by = "self_device_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
-                (out / f"{name}.txt").write_text(prof.key_averages().table(sort_by=sort_by, row_limit=50))
-                work = {key: round(value, 3) for key, value in step_work(trace).items()}
+                summary = save_profile(prof, Path(directory), name, cuda, compress=True)
+                work = {key: round(value, 3) for key, value in summary.items()}
                 profiler.steps.append({"step": state.global_step - 1, "loss": loss, **work})
 
         self.callback = Callback()

@@ -81,7 +81,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))  # bench_common, in benchmarks/
 
-from bench_common import git_revision, ratio_interval, rel_err, rel_l2, step_work  # noqa: E402
+from bench_common import git_revision, ratio_interval, rel_err, rel_l2, save_profile  # noqa: E402
 
 import lce_patch  # noqa: E402
 import lce_patch.models.forward as lce_forward  # noqa: E402
@@ -360,7 +360,7 @@ def timing_summary(times: list[float]) -> dict:
 
 def profile_step(args, step, variant: str, tokens: int, rank: int, cuda: bool) -> dict | None:
     """One step under torch.profiler on rank 0 (the other ranks step alongside): Chrome trace, op table, and
-    :func:`step_work`'s summary (returned; None on the other ranks)."""
+    :func:`bench_common.step_work`'s summary (returned; None on the other ranks)."""
     from torch.profiler import ProfilerActivity, profile
 
     if rank != 0:
@@ -371,17 +371,8 @@ def profile_step(args, step, variant: str, tokens: int, rank: int, cuda: bool) -
         step()
         if cuda:
             torch.cuda.synchronize()
-    out = Path(args.profile)
-    out.mkdir(parents=True, exist_ok=True)
     stem = f"tp_check_{args.arch}_{layout_name(args)}_{tokens}_{variant}_rank0"
-    prof.export_chrome_trace(str(out / f"{stem}.json"))
-    sort_by = "self_device_time_total" if cuda else "self_cpu_time_total"
-    try:
-        table = prof.key_averages().table(sort_by=sort_by, row_limit=60)
-    except (AttributeError, KeyError):  # torch versions that name the device column cuda_*
-        table = prof.key_averages().table(sort_by="self_cuda_time_total" if cuda else sort_by, row_limit=60)
-    (out / f"{stem}.txt").write_text(table)
-    return step_work(json.loads((out / f"{stem}.json").read_text()))
+    return save_profile(prof, Path(args.profile), stem, cuda)
 
 
 def data_parallel_size(args) -> int:
@@ -413,7 +404,7 @@ def measure(args, model, step, variant: str, tokens: int, rank: int, device: tor
     the rest of the warm-up, and a profiled step if asked. The timed steps come after, interleaved
     (:func:`time_interleaved`)."""
     cuda = device.type == "cuda"
-    graphs_before = compile_counters()
+    graphs_before = compile_counters() if args.compile else None
     with OpCalls() as op_calls:
         loss = step()  # the values compared (and the first warm-up step)
     grads = {}
@@ -424,7 +415,7 @@ def measure(args, model, step, variant: str, tokens: int, rank: int, device: tor
     model.zero_grad(set_to_none=True)
     for _ in range(args.warmup - 1):
         step()
-    compiled = compile_delta(graphs_before, compile_counters()) if args.compile else None
+    compiled = compile_delta(graphs_before, compile_counters()) if graphs_before is not None else None
     work = None
     if args.profile and tokens == args.tokens[0]:
         work = profile_step(args, step, variant, tokens, rank, cuda)
@@ -584,10 +575,10 @@ def check_model(args, rank: int, world: int, device: torch.device) -> list[dict]
             for variant in timed:
                 set_variant(model, variant)
                 step()
-        before = compile_counters()
+        before = compile_counters() if args.compile else None
         for variant, summary in time_interleaved(args, model, step, timed, device, model_bytes).items():
             results[variant].update(summary)
-        if args.compile:  # graphs compiled inside the timed steps would make their times meaningless
+        if before is not None:  # graphs compiled inside the timed steps would make their times meaningless
             for variant in timed:
                 results[variant]["graphs_in_timed_steps"] = compile_counters()["graphs"] - before["graphs"]
         set_variant(model, "unpatched")

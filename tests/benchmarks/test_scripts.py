@@ -149,7 +149,8 @@ def test_tp_check_step_work_reads_a_trace():
 
     spec = importlib.util.spec_from_file_location("tp_check", BENCHMARKS / "checks" / "tp_check.py")
     tp_check = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tp_check)
+    spec.loader.exec_module(tp_check)  # puts benchmarks/ on the path: bench_common's step_work, which --profile uses
+    from bench_common import step_work
 
     def event(cat: str, name: str, ts: float, dur: float) -> dict:
         return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur}
@@ -168,7 +169,7 @@ def test_tp_check_step_work_reads_a_trace():
             {"ph": "i", "cat": "kernel", "name": "marker", "ts": 0.0},
         ]
     }
-    assert tp_check.step_work(trace) == {
+    assert step_work(trace) == {
         "host_ms": 3.0,
         "cpu_ops": 2,
         "launches": 2,
@@ -176,7 +177,7 @@ def test_tp_check_step_work_reads_a_trace():
         "collective_ms": 0.25,
         "syncs": 1,
     }
-    assert tp_check.step_work({"traceEvents": []})["host_ms"] == 0.0
+    assert step_work({"traceEvents": []})["host_ms"] == 0.0
 
 
 @pytest.mark.slow
