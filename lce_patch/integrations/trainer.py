@@ -37,10 +37,19 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel, Trainer, TrainerCallback
 
-from ..models import LCEOptions, apply_fused_lce, is_patched, loss_only, unwrap_causal_lm
-from ..models.adapters import fsdp1_inner
-from ..models.loss_options import EXTRA_OUTPUTS
-from ..models.patch import options_text, patch_summary, unannounced
+from ..models import (
+    EXTRA_OUTPUTS,
+    OPTIONS_ATTR,
+    LCEOptions,
+    apply_fused_lce,
+    fsdp1_inner,
+    is_patched,
+    loss_only,
+    options_text,
+    patch_summary,
+    unannounced,
+    unwrap_causal_lm,
+)
 from .serving import SERVED, find_row
 
 logger = logging.getLogger(__name__)
@@ -122,7 +131,7 @@ class FusedLCECallback(TrainerCallback):
         """Patch ``model`` (a Hugging Face model or a PEFT model around one) unless it already is."""
         if model is None or not isinstance(unwrap_causal_lm(model), PreTrainedModel):
             return  # e.g. an FSDP1 wrapper at on_train_begin: what it wraps was patched at on_init_end
-        if "_lce_patch_options" not in vars(unwrap_causal_lm(model)):  # an instance patch, not only a class one
+        if OPTIONS_ATTR not in vars(unwrap_causal_lm(model)):  # an instance patch, not only a class one
             with unannounced():  # the callback's own line says it, when training starts
                 apply_fused_lce(model, **self.options)
 

@@ -10,26 +10,41 @@ Hugging Face's loss lacks (class and token weights, the ``lse`` / ``token_accura
 ``revert_fused_lce`` undoes it.
 """
 
-from .adapters import resolve_head_module, unwrap_causal_lm
+from .adapters import fsdp1_inner, resolve_head_module, unwrap_causal_lm
 from .forward import loss_only
 from .head import head_call
-from .options import LCEOptions
-from .patch import apply_fused_lce, get_head_config, is_patched, revert_fused_lce
+from .loss_options import EXTRA_OUTPUTS
+from .options import OPTIONS_ATTR, LCEOptions
+from .patch import (
+    apply_fused_lce,
+    get_head_config,
+    is_patched,
+    options_text,
+    patch_summary,
+    revert_fused_lce,
+    unannounced,
+)
 from .registry import REGISTRY, UNSUPPORTED, ArchSpec, HeadConfig, supported_architectures
 
 __all__ = [
+    "EXTRA_OUTPUTS",
+    "OPTIONS_ATTR",
     "REGISTRY",
     "ArchSpec",
     "HeadConfig",
     "LCEOptions",
     "UNSUPPORTED",
     "apply_fused_lce",
+    "fsdp1_inner",
     "get_head_config",
     "head_call",
     "is_patched",
     "loss_only",
+    "options_text",
+    "patch_summary",
     "resolve_head_module",
     "revert_fused_lce",
     "supported_architectures",
+    "unannounced",
     "unwrap_causal_lm",
 ]
