@@ -16,7 +16,8 @@ auxiliary loss all stay the model's. Only two things differ while the job is arm
 Evaluation gets the head's real output as the logits, beside the fused loss, as the unpatched model
 returns them, unless the caller says it needs the loss only (``return_logits_in_eval=False``,
 ``skip_logits=True``, or :func:`loss_only`, which ``FusedLCECallback`` uses around the Trainer's
-loss-only evaluation steps). Every other call (no ``labels``, ``logits_to_keep``) is the original forward.
+loss-only evaluation steps). A call with ``logits_to_keep`` and labels of the kept positions (as ms-swift makes)
+fuses the loss over those positions; a call without ``labels`` is the original forward.
 
 The loss options Hugging Face's loss lacks (``loss_options.py``): a call's ``token_weights`` (taken out of the
 call here, so the model never sees them) and the model's ``class_weights`` reach the op; ``return_lse`` and
@@ -166,6 +167,13 @@ class LossJob:
             )
         _check_whole_head(weight, self.vocab_size, self.model_name)
         targets, shift = self._targets()
+        if tuple(targets.shape) != tuple(hidden.shape[:-1]):
+            name = "shift_labels" if self.shift_labels is not None else "labels"
+            raise ValueError(
+                f"lce_patch: {self.model_name}'s LM head scores {tuple(hidden.shape[:-1])} positions but the call's "
+                f"{name} are {tuple(targets.shape)}: a call with logits_to_keep must pass the labels of the kept "
+                "positions only (the unpatched model's loss fails on these shapes too)"
+            )
         num_valid_tokens = self.read_valid_count() if self.read_valid_count is not None else None
         options = self.options
         token_weights = None
@@ -366,18 +374,15 @@ def make_forward(original: Any, head_config_of: Any) -> Any:
         call.update(arguments.get(var_kw, {}))
         token_weights = call.pop("token_weights", None)
         kwargs.pop("token_weights", None)  # ours: the model's forward never sees it
-        logits_to_keep = call.get("logits_to_keep", 0)
-        # Hugging Face computes a loss only when ``labels`` are given (``shift_labels`` alone: logits, no loss)
-        has_labels = call.get("labels") is not None
+        # Hugging Face computes a loss only when ``labels`` are given (``shift_labels`` alone: logits, no loss).
+        # A call with ``logits_to_keep`` (or ``num_logits_to_keep``) scores the kept positions only, against
+        # labels of their length: the head sees those positions' hidden states, so the fused loss covers
+        # exactly them (``LossJob.run_head`` refuses labels of another length, as the unpatched loss fails).
         if token_weights is not None:
             _check_call_token_weights(token_weights, call)
-        fuse = has_labels and isinstance(logits_to_keep, int) and logits_to_keep == 0
-        from_logits = has_labels and _needs_logits_loss(options, token_weights)
-        if not fuse:
-            if from_logits:
-                _refuse_custom_loss_with_weights(self, options, token_weights, "it sets logits_to_keep")
-                return _run_unfused(self, call_original, kwargs, options, call, token_weights)
+        if call.get("labels") is None:
             return call_original(**kwargs)
+        from_logits = _needs_logits_loss(options, token_weights)
         want_logits = _wants_logits(self, options, skip_logits)
         reason = unfused_reason(self, forward, want_logits, _user_loss_function(self))
         if reason is not None:

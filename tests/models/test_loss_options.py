@@ -214,9 +214,9 @@ def test_unfused_call_computes_the_same_loss_from_the_logits():
     fused.loss.backward()
     assert_grads_match(model, fused_model, rel=1e-9)
     handle.remove()
-    # logits_to_keep (here every position) runs the model's own forward too
+    # logits_to_keep (here every position) is fused too: the kept positions' loss, the weights applied
     kept = model(**batch, token_weights=token_weights, logits_to_keep=12)
-    assert kept.logits is not None
+    assert kept.logits is None
     assert_close(kept.loss, fused.loss, rel=1e-6, what="logits_to_keep loss")
 
     # label smoothing with the class weights: as the op defines it

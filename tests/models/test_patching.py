@@ -17,7 +17,7 @@ from .tiny import TINY_CONFIGS, VOCAB, assert_close, assert_grads_match, pair, t
 
 # The core types, through every option and batch layout (test_every_architecture.py covers all types).
 ARCHS = sorted({*TINY_CONFIGS, "gemma3"})
-CASES = ["ignored_labels", "num_items_in_batch", "shift_labels", "packed"]
+CASES = ["ignored_labels", "num_items_in_batch", "shift_labels", "packed", "logits_to_keep"]
 
 
 def _batch(case: str, generator: torch.Generator) -> dict:
@@ -33,6 +33,9 @@ def _batch(case: str, generator: torch.Generator) -> dict:
     labels = input_ids.masked_fill(attention_mask == 0, -100)
     labels[0, :4] = -100  # a prompt
     batch = dict(input_ids=input_ids, attention_mask=attention_mask, labels=labels)
+    if case == "logits_to_keep":  # as ms-swift calls it: the last positions scored, against their own labels
+        batch["labels"] = labels[:, -5:]
+        batch["logits_to_keep"] = 5
     if case == "num_items_in_batch":  # as Trainer passes it under gradient accumulation: a larger window's count
         batch["num_items_in_batch"] = torch.tensor(41)
     if case == "shift_labels":  # as context parallelism passes them: already shifted, used as given
@@ -504,3 +507,33 @@ def test_a_class_patch_logs_one_line(caplog):
         )
     finally:
         lce_patch.revert_fused_lce("llama")
+
+
+def test_logits_to_keep_fuses_exactly_the_kept_positions():
+    # ms-swift's default: logits_to_keep=k with the labels of the last k positions. The op runs (counted), on the
+    # kept positions only; labels of another length are refused by name, where the unpatched loss fails too.
+    from lce_patch.ops.core.calls import calls_since, op_calls
+
+    model, reference = pair("llama")
+    lce_patch.apply_fused_lce(model, backend="torch")
+    model.train()
+    reference.train()
+    batch = _batch("ignored_labels", torch.Generator().manual_seed(3))
+    for keep in (5, torch.tensor([3, 7, 8, 11])):  # a count of last positions, or the positions themselves
+        labels = batch["labels"][:, -keep:] if isinstance(keep, int) else batch["labels"][:, keep]
+        kept = dict(batch, labels=labels, logits_to_keep=keep)
+        before = op_calls()
+        out = model(**kept)
+        assert calls_since(before) == {"fused_linear_cross_entropy": 1}
+        ref = reference(**kept)
+        assert out.logits is None
+        assert_close(out.loss, ref.loss, what=f"loss, logits_to_keep={keep}")
+        out.loss.backward()
+        ref.loss.backward()
+        assert_grads_match(model, reference)
+        model.zero_grad()
+        reference.zero_grad()
+    with pytest.raises(ValueError, match=r"LM head scores \(2, 5\) positions but the call's labels are \(2, 12\)"):
+        model(**batch, logits_to_keep=5)
+    with pytest.raises(ValueError):  # the unpatched model's loss fails on these shapes too
+        reference(**batch, logits_to_keep=5)

@@ -9,6 +9,7 @@ from typing import NamedTuple
 import torch
 
 from ..core.backend import BACKENDS, resolve_backend
+from ..core.calls import count_call
 from ..core.checks import num_items_tensor
 from ..core.reduction import check_reduction
 from .autograd import LinearCrossEntropyFunction
@@ -311,6 +312,7 @@ def fused_linear_cross_entropy(
         predicted_tokens), None for what was not asked.
     """
     del deterministic  # every path is deterministic; kept in the signature as a documented promise
+    count_call(OP_NAME)
     check_reduction(reduction, num_items_in_batch, OP_NAME)
     for name, flag in (
         ("return_lse", return_lse),
@@ -397,6 +399,7 @@ def fused_linear_log_probs(
 
     Shapes: hidden [N, D] or [B, T, D]; labels [N] or [B, T]; every output is shaped like labels.
     """
+    count_call("fused_linear_log_probs")
     for name, flag in (
         ("return_entropy", return_entropy),
         ("return_is_top1", return_is_top1),

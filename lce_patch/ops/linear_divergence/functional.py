@@ -7,6 +7,7 @@ import torch
 
 from ..core import checks
 from ..core.backend import resolve_backend
+from ..core.calls import count_call
 from ..core.grads import fp32_output_gemm_available
 from ..core.reduction import check_reduction
 from .autograd import LinearDivergenceFunction
@@ -121,6 +122,7 @@ def fused_linear_divergence(
         The loss (0-d fp32, or [...] per token for "none"); with ``return_entropy``, (loss, entropy [...]).
         With no token selected the loss is 0 and every gradient is 0.
     """
+    count_call(OP_NAME)
     _check(hidden, weight, bias, teacher_hidden, teacher_weight, teacher_bias, mask)
     check_reduction(reduction, num_items_in_batch, OP_NAME)
     use_triton = resolve_backend(backend, hidden.device, hidden.dtype, OP_NAME)

@@ -7,6 +7,7 @@ import torch
 
 from ..core import checks
 from ..core.backend import resolve_backend
+from ..core.calls import count_call
 from ..core.grads import fp32_output_gemm_available
 from ..core.reduction import check_reduction
 from .custom_op import linear_sparse_divergence
@@ -151,6 +152,7 @@ def fused_linear_sparse_divergence(
         The loss (0-d, or [...] per position for "none"; fp32, fp64 for float64 inputs); with ``return_entropy``,
         (loss, entropy [...]). With nothing counted the loss is 0 and every gradient 0.
     """
+    count_call(OP_NAME)
     _check(hidden, weight, bias, candidate_ids, teacher_logprobs, candidate_mask)
     check_reduction(reduction, num_items_in_batch, OP_NAME)
     use_triton = resolve_backend(backend, hidden.device, hidden.dtype, OP_NAME)
