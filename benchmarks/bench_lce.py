@@ -78,6 +78,12 @@ SHAPES = {
     "gemma2-2b-n65536": (65536, 2304, 256000, 30.0, False),
     "qwen2.5-7b": (8192, 3584, 152064, None, False),
     "mistral-7b": (8192, 4096, 32768, None, False),
+    # Small models' heads (hidden sizes of 896-2048 against vocabularies of 128k-262k), 16384 tokens
+    "qwen2.5-0.5b": (16384, 896, 151936, None, False),
+    "qwen3-0.6b": (16384, 1024, 151936, None, False),
+    "gemma3-1b": (16384, 1152, 262144, None, False),
+    "qwen3-1.7b": (16384, 2048, 151936, None, False),
+    "llama3.2-1b": (16384, 2048, 128256, None, False),
 }
 METHODS = ("lce_patch", "lce_patch_skip", "unfused", "compile", "liger", "cce", "trl")
 OPTIONAL_METHODS = ("cce_nofilter", "lce_patch_tokens", "lce_patch_skip_sync", "lce_patch_fp32dw")

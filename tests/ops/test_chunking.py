@@ -120,6 +120,13 @@ def test_default_chunk_rows_fill_the_gpu_for_thin_hidden_sizes():
     assert rows(7022, 3584, 152064) == 1152
     assert rows(7022, 4096, 128256) == 1024
     assert rows(8192, 4096, 128256) == 1024
+    # A hidden size that is not a multiple of 256 takes a whole tile for its last columns: Qwen2.5-0.5B (D = 896,
+    # 4 column tiles) fills one wave of 132 SMs at 33 x 128 rows, rounded down to 4096 (a multiple of 256: not
+    # the 4864 that (SMs x 128 x 256) / D rounded up gave, 152 tiles); Gemma-3-1B (D = 1152, 5 tiles) 3328.
+    assert rows(16384, 896, 151936) == 4096
+    assert rows(16384, 1024, 151936) == 4096
+    assert rows(16384, 1152, 262144) == 3328
+    assert rows(16384, 2048, 151936) == 2048
     assert rows(2100, 3584, 152064) == 1152  # above the fill rows chunks are still made even (2 x 1152)
     assert rows(2100, 4096, 128256) == 768  # D >= 4096: 3 even chunks, as before (no thin-D fill rows)
     assert rows(1000, 2304, 256000) == 1000  # never more rows than there are

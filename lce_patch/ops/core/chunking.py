@@ -17,12 +17,17 @@ import torch
 DEFAULT_LOGITS_BUDGET_BYTES = 256 * 1024 * 1024
 MIN_DEFAULT_CHUNK_ROWS = 1024
 # Thin hidden sizes need more rows: a chunk's dh GEMM writes a [C, D] output, which cuBLAS's Hopper
-# kernels cover in tiles of about 128 x 256, one per SM at a time; below (SMs x 128 x 256) / D rows
-# SMs idle. On the H100 Gemma-2 (D = 2304) ran 86% of its floor at 1024-row chunks and 91-92% at
-# 1760-1792 rows (NOTES v12). The default is at least that many rows, rounded down to a multiple of
-# 128 (H100: 1792 for D = 2304; 1152 for D = 3584; 1024 for D = 4096), also when N rows would split
-# into more even chunks of fewer rows.
-GEMM_TILE_ELEMENTS = 128 * 256
+# kernels cover in tiles of about 128 x 256, one per SM at a time; with fewer tiles than SMs, SMs idle.
+# On the H100 Gemma-2 (D = 2304) ran 86% of its floor at 1024-row chunks and 91-92% at 1760-1792 rows
+# (NOTES v12). The default is at least the rows whose tiles fill one wave, (SMs // ceil(D / 256)) x 128
+# (H100 and H200, 132 SMs: 1792 for D = 2304; 1152 for D = 3584; 1024 for D = 4096), also when N rows
+# would split into more even chunks of fewer rows; above LARGE_CHUNK_ROWS rounded down to a multiple of
+# 256 rows, so that the rounding below does not take it past the wave. A hidden size that is not a
+# multiple of 256 needs a whole tile for its last columns: D = 896 (Qwen2.5-0.5B) gets 4096 rows, not the
+# 4864 of (SMs x 128 x 256) / D rounded up (on the H200, 16384 tokens: 23.8 vs 24.1 ms, 1476 vs 1698 MiB),
+# and D = 1152 (Gemma-3-1B) 3328, not 3840 (NOTES v23).
+GEMM_TILE_ROWS = 128
+GEMM_TILE_COLUMNS = 256
 # Chunk sizes are multiples of 128 rows (cuBLAS's tile height): 1008-row chunks ran 2-3% slower than
 # 1024-row ones forward+backward and 6-8% slower forward-only on the Llama-3 and Qwen2.5 shapes.
 CHUNK_ROW_MULTIPLE = 128
@@ -91,7 +96,10 @@ def default_chunk_rows(
     if use_triton:
         rows = max(rows, MIN_DEFAULT_CHUNK_ROWS)
         if hidden_size and num_sms:
-            fill_rows = num_sms * GEMM_TILE_ELEMENTS // hidden_size // tile * tile
+            column_tiles = -(-hidden_size // GEMM_TILE_COLUMNS)
+            fill_rows = max(num_sms // column_tiles, 1) * GEMM_TILE_ROWS
+            if fill_rows > LARGE_CHUNK_ROWS:
+                fill_rows = fill_rows // LARGE_CHUNK_ROW_MULTIPLE * LARGE_CHUNK_ROW_MULTIPLE
             rows = max(rows, fill_rows)
             if fill_rows <= MIN_DEFAULT_CHUNK_ROWS:  # not a thin hidden size: even chunks below it are fine
                 fill_rows = 0
