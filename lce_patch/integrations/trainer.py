@@ -20,9 +20,13 @@ Other trainers are served by the module the serving table (``lce_patch.integrati
 class: TRL's distillation trainers, its experimental ORPO, CPO, TPO, Online DPO and A2PO trainers (their loss or
 log-probabilities through lce_patch's ops), and a warning for the experimental trainers left on TRL's path.
 
-When training starts the callback logs one line on the ``lce_patch`` logger, at the level the Trainer shows its
-warnings (WARNING unless transformers' verbosity is raised), on the main process only: the model, its
-architecture entry and softcap, the trainer and how its loss reaches the fused op, and the options.
+When the first optimizer step of a training run ends, the callback logs one line on the ``lce_patch`` logger, at
+the level the Trainer shows its warnings (WARNING unless transformers' verbosity is raised), on the main process
+only: the model, its architecture entry and softcap, the trainer and how its loss reaches the fused op, and the
+options. The line is said only if lce_patch's fused ops ran in that step (their calls are counted,
+``lce_patch.ops.op_calls``); where they did not (the trainer's loss never reached the patched forward) a warning
+says that it trains unfused instead. ``outcomes`` keeps, per training run, what was found (the launcher's
+report reads it).
 """
 
 from __future__ import annotations
@@ -50,6 +54,7 @@ from ..models import (
     unannounced,
     unwrap_causal_lm,
 )
+from ..ops import calls_since, op_calls
 from .serving import SERVED, find_row
 
 logger = logging.getLogger(__name__)
@@ -111,6 +116,8 @@ class FusedLCECallback(TrainerCallback):
         self.options = dict(options)
         self._served_by: str | None = None  # how serve_trainer routed the trainer's own loss, in words
         self._announced: set[int] = set()  # ids of the models whose line was logged
+        self._pending: tuple | None = None  # (model, trainer, line, op calls before) until the first step ends
+        self.outcomes: list[dict[str, Any]] = []  # per training run: whether the fused ops ran in its first step
 
     def check_args(self, args: Any) -> None:
         """Refuse TrainingArguments that would bypass or break the fused loss."""
@@ -253,11 +260,35 @@ class FusedLCECallback(TrainerCallback):
         trl_head = self.install_trainer_heads(model, args, trainer)
         if not trl_head:
             self.patch_model(model)  # a model built by model_init at train() was not there at on_init_end
-        if self.announce and model is not None and id(model) not in self._announced:
-            line = self.announce_line(model, trainer, trl_head)
-            if line is not None:
-                self._announced.add(id(model))
-                # where the Trainer shows its own warnings (transformers' verbosity, or log_level): main process only
-                level = args.get_process_log_level() if hasattr(args, "get_process_log_level") else logging.WARNING
-                shown = getattr(state, "is_world_process_zero", True) and level <= logging.WARNING
-                logger.log(logging.WARNING if shown else logging.DEBUG, line)
+        if model is not None and id(model) not in self._announced:
+            # said once the first optimizer step shows whether the fused ops ran (on_step_end), never before
+            self._pending = (model, trainer, self.announce_line(model, trainer, trl_head), op_calls())
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        if self._pending is None:
+            return
+        model, trainer, line, before = self._pending
+        self._pending = None
+        self._announced.add(id(model))
+        calls = calls_since(before)
+        outcome = {
+            "trainer": type(trainer).__name__ if trainer is not None else None,
+            "model": type(unwrap_causal_lm(fsdp1_inner(model))).__name__,
+            "fused": line is not None and bool(calls),
+            "line": line,
+            "op_calls": calls,
+        }
+        if line is not None and not calls:
+            line = outcome["line"] = (
+                f"lce_patch: {outcome['trainer'] or 'the trainer'} trains {outcome['model']} WITHOUT the fused loss: "
+                "its first training step called none of lce_patch's fused ops, so its loss is computed outside the "
+                "model's patched forward (a compute_loss that takes the labels out of the call, or a trainer lce_patch "
+                "does not serve); it trains as without the callback, with the full logits"
+            )
+            warnings.warn(line, stacklevel=2)
+        self.outcomes.append(outcome)
+        if line is not None and outcome["fused"] and self.announce:
+            # where the Trainer shows its own warnings (transformers' verbosity, or log_level): main process only
+            level = args.get_process_log_level() if hasattr(args, "get_process_log_level") else logging.WARNING
+            shown = getattr(state, "is_world_process_zero", True) and level <= logging.WARNING
+            logger.log(logging.WARNING if shown else logging.DEBUG, line)

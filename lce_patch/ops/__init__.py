@@ -1,5 +1,6 @@
 """The math: fused ops with their kernels, autograd Functions and references. No transformers here."""
 
+from .core.calls import calls_since, op_calls
 from .linear_cross_entropy import (
     FusedLinearCrossEntropy,
     TokenOutputs,
@@ -15,9 +16,11 @@ __all__ = [
     "FusedLinearCrossEntropy",
     "TokenOutputs",
     "VocabShard",
+    "calls_since",
     "fused_linear_cross_entropy",
     "fused_linear_divergence",
     "fused_linear_log_probs",
     "fused_linear_sparse_divergence",
+    "op_calls",
     "start_valid_token_count",
 ]

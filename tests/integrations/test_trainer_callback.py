@@ -398,3 +398,43 @@ def test_the_line_follows_the_trainers_log_level_and_is_left_out_where_training_
         )
         trainer.train()
     assert not _lce_records(caplog)  # the warning says it runs unfused; no line says otherwise
+
+
+class _LossOutsideTheModel(Trainer):
+    """A front end's trainer that takes the labels out of the call and scores the logits itself."""
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        labels = inputs.pop("labels")
+        logits = model(**inputs).logits
+        loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten())
+        return (loss, logits) if return_outputs else loss
+
+
+def test_no_line_claims_a_fused_loss_the_op_did_not_compute(tmp_path, caplog):
+    # The line waits for the first optimizer step and reads the fused ops' call count: a trainer whose loss never
+    # reaches the patched forward gets a warning saying it trains unfused, and no line saying otherwise.
+    callback = FusedLCECallback()
+    with caplog.at_level(logging.DEBUG, logger="lce_patch"), pytest.warns(UserWarning, match="WITHOUT the fused"):
+        trainer = _LossOutsideTheModel(
+            model=tiny_model("llama"), args=_args(tmp_path), train_dataset=_dataset(4, 0), callbacks=[callback]
+        )
+        trainer.train()
+    assert not any("with the fused loss" in r.getMessage() for r in _lce_records(caplog))
+    assert callback.outcomes == [
+        dict(trainer="_LossOutsideTheModel", model="LlamaForCausalLM", fused=False, line=callback.outcomes[0]["line"],
+             op_calls={})
+    ]  # fmt: skip
+    assert callback.outcomes[0]["line"].startswith("lce_patch: _LossOutsideTheModel trains LlamaForCausalLM WITHOUT")
+
+    # the same model and data through the Trainer's own loss: fused, one call per micro-batch of the first step
+    callback = FusedLCECallback()
+    trainer = Trainer(
+        model=tiny_model("llama"),
+        args=_args(tmp_path, gradient_accumulation_steps=2),
+        train_dataset=_dataset(8, 0),
+        callbacks=[callback],
+    )
+    trainer.train()
+    [outcome] = callback.outcomes
+    assert outcome["fused"] and outcome["op_calls"] == {"fused_linear_cross_entropy": 2}
+    assert "with the fused loss (the model's forward runs fused_linear_cross_entropy)" in outcome["line"]
