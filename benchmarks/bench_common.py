@@ -25,6 +25,7 @@ import statistics
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -36,6 +37,8 @@ if str(REPO) not in sys.path:
 IGNORE = -100
 # The CUDA runtime and driver calls that launch a kernel, as torch.profiler names them (launch counts).
 CUDA_LAUNCH_CALLS = frozenset({"cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx"})
+# NVLink multicast off in NCCL, PyTorch and NVSHMEM: on shared hosts a program using it can take the GPUs down.
+MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 
 def set_exact_fp32() -> None:
@@ -59,47 +62,136 @@ def _version(dist: str) -> str | None:
         return None
 
 
-def git_revision() -> str | None:
-    """Short commit of this checkout, with "+dirty" for uncommitted changes to tracked files."""
+TREE_MANIFEST = ".tree.json"  # written by checks/run_all.py --export beside a committed tree without .git
+
+
+def _blob_sha(path: Path) -> str:
+    """git's object name of a file's content (``git hash-object``)."""
+    import hashlib
+
+    data = path.read_bytes()
+    return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
+
+
+def tree_state(repo: Path = REPO) -> dict:
+    """The commit this code is, and whether it is that commit: ``{"commit", "dirty", "source"}``.
+
+    In a copy made by ``git archive`` (``checks/run_all.py --export``, what is sent to a GPU machine): the manifest
+    it wrote, every listed file's content checked against its recorded object name. In a git checkout: HEAD, dirty
+    when a tracked file differs from it. Otherwise the commit named by ``LCE_BENCH_COMMIT``, unverified."""
+    manifest = repo / TREE_MANIFEST
+    if manifest.is_file():
+        import json
+
+        listed = json.loads(manifest.read_text())
+        changed = [
+            name
+            for name, sha in listed["files"].items()
+            if not (repo / name).is_file() or _blob_sha(repo / name) != sha
+        ]
+        return {"commit": listed["commit"], "dirty": bool(changed), "changed": changed[:20], "source": "manifest"}
     try:
-        rev = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True, timeout=10
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"],
-            cwd=REPO,
-            capture_output=True,
-            text=True,
-            timeout=10,
-        ).stdout.strip()
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True, timeout=10)
+        if head.returncode == 0 and head.stdout.strip():
+            status = subprocess.run(
+                ["git", "status", "--porcelain", "--untracked-files=no"],
+                cwd=repo,
+                capture_output=True,
+                text=True,
+                timeout=30,
+            )
+            return {"commit": head.stdout.strip(), "dirty": bool(status.stdout.strip()), "source": "git"}
     except (OSError, subprocess.SubprocessError):
+        pass
+    named = os.environ.get("LCE_BENCH_COMMIT")
+    return {"commit": named, "dirty": None, "source": "LCE_BENCH_COMMIT (unverified)" if named else None}
+
+
+def git_revision() -> str | None:
+    """Short commit of this code, with "+dirty" for changes to its tracked files (see :func:`tree_state`)."""
+    state = tree_state()
+    if not state["commit"]:
         return None
-    return (rev + ("+dirty" if dirty else "")) or None
+    return state["commit"][:7] + ("+dirty" if state["dirty"] else "")
+
+
+def refuse_dirty_tree() -> None:
+    """With ``LCE_BENCH_REQUIRE_CLEAN=1`` (``checks/run_all.py`` sets it): stop unless this code is a commit, so
+    that every result it writes names the code that made it."""
+    if os.environ.get("LCE_BENCH_REQUIRE_CLEAN", "0") != "1":
+        return
+    state = tree_state()
+    if not state["commit"] or state["dirty"] is not False:
+        raise SystemExit(
+            f"refusing to run: the code is not a clean commit ({state}); commit it, or run checks/run_all.py "
+            "--export DIR and run from DIR (LCE_BENCH_REQUIRE_CLEAN=0 to run anyway)"
+        )
+
+
+def argv_without(argv: list[str], names: tuple[str, ...], flags: tuple[str, ...] = ()) -> list[str]:
+    """``argv`` less the options ``names`` with their values (``--name value`` and ``--name=value``) and the
+    value-less ``flags``."""
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+            continue
+        if arg in flags:
+            continue
+        if arg in names:
+            skip = True
+            continue
+        if arg.split("=", 1)[0] in names:
+            continue
+        out.append(arg)
+    return out
+
+
+def out_path(out: str | Path, name: str) -> Path:
+    """``out`` itself when it names a .json file, else ``out/name.json``."""
+    out = Path(out)
+    return out if out.suffix == ".json" else out / f"{name}.json"
+
+
+def write_json(path: Path, record: dict) -> Path:
+    import json
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(record, indent=1, default=str))
+    return path
 
 
 def env_info() -> dict:
-    """Device, library and peer versions, date: recorded with every result."""
+    """Device, library and peer versions, date, commit: recorded with every result."""
     import triton
 
     import lce_patch
 
-    # A copy whose .git is not the checkout's (the GPU machine's) names its commit through the env.
-    rev = os.environ.get("LCE_BENCH_COMMIT") or git_revision()
     cuda = torch.cuda.is_available()
+    tree = tree_state()
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "device": torch.cuda.get_device_name() if cuda else "cpu",
+        "device_count": torch.cuda.device_count() if cuda else 0,
         "sm_count": torch.cuda.get_device_properties(0).multi_processor_count if cuda else None,
         "python": platform.python_version(),
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
         "triton": triton.__version__,
         "lce_patch": lce_patch.__version__,
-        "git": rev,
+        "git": git_revision(),
+        "commit": tree["commit"],
+        "dirty": tree["dirty"],
+        "commit_source": tree["source"],
         "liger_kernel": _version("liger-kernel"),
         "cut_cross_entropy": _version("cut-cross-entropy"),
         "trl": _version("trl"),
         "transformers": _version("transformers"),
+        "accelerate": _version("accelerate"),
+        "deepspeed": _version("deepspeed"),
+        "peft": _version("peft"),
+        "datasets": _version("datasets"),
+        **{name: os.environ.get(name) for name in MULTICAST_OFF},
     }
 
 
@@ -295,6 +387,42 @@ def ratio_interval(reference: list[float], candidate: list[float], rounds: int =
         ratios.append(statistics.median(candidate[i] for i in picks) / statistics.median(reference[i] for i in picks))
     ratios.sort()
     return ratios[int(0.025 * rounds)], ratios[int(0.975 * rounds) - 1]
+
+
+def timing_summary(times: list[float]) -> dict:
+    ordered = sorted(times)
+
+    def pct(q: float) -> float:
+        return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+    return {
+        "ms_median": statistics.median(times),
+        "ms_min": ordered[0],
+        "ms_p10": pct(0.1),
+        "ms_p90": pct(0.9),
+        "ms_max": ordered[-1],
+        "steps": len(times),
+    }
+
+
+def compile_counters() -> dict[str, Any]:
+    """Dynamo's running counts: graphs compiled and graph breaks by reason (empty before any compilation)."""
+    from torch._dynamo.utils import counters
+
+    return {"graphs": counters["stats"]["unique_graphs"], "breaks": dict(counters["graph_break"])}
+
+
+def compile_delta(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+    """What the warm-up of one variant compiled: graphs, graph breaks, and the breaks' reasons (first line of
+    each, the counts summed by reason). The first step traces with the check's own op counter wrapped around the
+    op (its list append and shape reads), the later ones without it, so a variant compiles its graphs twice."""
+    reasons: dict[str, int] = {}
+    for reason, count in after["breaks"].items():
+        new = count - before["breaks"].get(reason, 0)
+        if new > 0:
+            line = str(reason).splitlines()[0][:160]
+            reasons[line] = reasons.get(line, 0) + new
+    return {"graphs": after["graphs"] - before["graphs"], "graph_breaks": sum(reasons.values()), "reasons": reasons}
 
 
 def save_profile(prof, out: Path, name: str, cuda: bool, compress: bool = False) -> dict:

@@ -17,6 +17,14 @@ Ulysses:                ``torchrun --nproc_per_node 4 benchmarks/long_context.py
     ranks instead of ZeRO-3, so that one code path times both)
 Keep NVLink multicast off on shared hosts (NCCL_NVLS_ENABLE=0). CPU smoke run (tiny shapes): ``--cpu``.
 
+An out of memory does not always surface as ``torch.OutOfMemoryError``: inside ring attention's exchange it came as
+``NCCL Error 1: unhandled cuda error``, after which the process group (and often the CUDA context) is unusable.
+``--isolate`` runs each search and each timed run in a process of its own (``--nproc N``: a torchrun of N processes,
+launched here: ``python benchmarks/long_context.py --parallel cp --nproc 4 --isolate``); when one dies on a CUDA or
+NCCL error in a trial, that trial is recorded as out of memory (with the error it surfaced as) and the search goes
+on in a fresh process from the trials already made. Without ``--isolate`` such an error is recorded the same way,
+and the run ends there (its JSON kept).
+
 Lengths under CP / Ulysses are the whole sequence's (all ranks together). ``PYTORCH_CUDA_ALLOC_CONF`` is set to
 ``expandable_segments:True`` unless the caller sets it: on the fragmented default allocator a length that fitted one
 step ran out of memory over the timed steps. Progress is printed as trials finish and
@@ -26,10 +34,14 @@ the JSON (``$OUT`` or runs/long_context) is rewritten after each one, so a run c
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
+import importlib.util
 import json
 import os
+import subprocess
 import sys
+import tempfile
 import time
 import warnings
 from datetime import timedelta
@@ -43,7 +55,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from bench_common import env_info  # noqa: E402
+from bench_common import MULTICAST_OFF, argv_without, env_info, out_path, write_json  # noqa: E402
 from model_configs import RELEASED_CONFIGS  # noqa: E402
 
 IGNORE = -100
@@ -103,6 +115,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--time-budget", type=float, default=420.0, help="seconds; later searches are skipped past it")
     parser.add_argument("--no-checkpointing", action="store_true", help="turn gradient checkpointing off")
     parser.add_argument("--cpu", action="store_true", help="CPU smoke run: tiny shape, fp32")
+    parser.add_argument(
+        "--isolate",
+        action="store_true",
+        help="each search and timed run in a process of its own (see the module doc); a CUDA / NCCL error there is "
+        "recorded as out of memory and the run goes on",
+    )
+    parser.add_argument("--nproc", type=int, default=1, help="with --isolate: processes per launch (torchrun)")
+    parser.add_argument(
+        "--fake-device-error-above",
+        type=int,
+        default=None,
+        help="testing: raise an NCCL-style error (the process then ends) for lengths above this",
+    )
+    parser.add_argument("--known", default=None, help=argparse.SUPPRESS)  # a child's trials made so far
+    parser.add_argument("--time-at", type=int, default=None, help=argparse.SUPPRESS)  # a child's timed run
     parser.add_argument("--out", default=os.environ.get("OUT") or str(REPO / "runs" / "long_context"))
     args = parser.parse_args(argv)
     args.shapes = (args.shapes or ("tiny" if args.cpu else "llama3.1-8b,qwen2.5-7b")).split(",")
@@ -201,12 +228,33 @@ def _batch(length: int, vocab: int, device: torch.device) -> dict[str, torch.Ten
 
 FAKE_LIMIT: list[int | None] = [None]
 FAKE_TIMED_LIMIT: list[int | None] = [None]
+FAKE_DEVICE_ERROR: list[int | None] = [None]
+# What an out of memory outside the caching allocator says: cuBLAS's workspace, NCCL's buffers, a kernel launch.
+DEVICE_OOM_MARKERS = ("out of memory", "CUBLAS_STATUS_ALLOC_FAILED", "NCCL", "unhandled cuda error", "CUDA error")
+DEVICE_ERROR_EXIT = 75  # a process that ends on such an error (its state is not to be trusted) exits with this
+
+
+class DeviceError(Exception):
+    """A CUDA or NCCL error taken for an out of memory: the process group and CUDA context are not to be reused."""
+
+
+def out_of_memory(error: BaseException) -> str | None:
+    """How ``error`` says out of memory (None when it does not): ``"out of memory"`` for the caching allocator's
+    error, else "out of memory (surfaced as: ...)" for a CUDA / NCCL error."""
+    if isinstance(error, torch.OutOfMemoryError):
+        return "out of memory"
+    text = str(error)
+    if isinstance(error, RuntimeError) and any(marker in text for marker in DEVICE_OOM_MARKERS):
+        return f"out of memory (surfaced as: {text.splitlines()[0][:200] if text else type(error).__name__})"
+    return None
 
 
 def train_step(model, optimizer, dist: Dist, length: int, vocab: int) -> None:
     """One step on one sequence of ``length`` tokens (the whole sequence's length under CP / Ulysses)."""
     if FAKE_LIMIT[0] is not None and length > FAKE_LIMIT[0]:
         raise torch.OutOfMemoryError(f"--fake-memory-limit {FAKE_LIMIT[0]}")
+    if FAKE_DEVICE_ERROR[0] is not None and length > FAKE_DEVICE_ERROR[0]:
+        raise RuntimeError("NCCL Error 1: unhandled cuda error (simulated by --fake-device-error-above)")
     batch = _batch(length, vocab, dist.device)
     n_items = (batch["shift_labels"] != IGNORE).sum()
     if dist.mode == "none":
@@ -281,19 +329,21 @@ def _free() -> None:
 
 
 def trial(model, optimizer, dist: Dist, length: int, vocab: int) -> tuple[bool, float | None, str | None]:
-    """(fits, peak GiB over the ranks, error): one step at ``length``, out of memory caught on every rank."""
+    """(fits, peak GiB over the ranks, error): one step at ``length``, out of memory caught on every rank. An out of
+    memory that surfaced as a CUDA / NCCL error raises :class:`DeviceError` (the process cannot go on)."""
     if dist.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     error = None
     try:
         train_step(model, optimizer, dist, length, vocab)
         ok = True
-    except torch.OutOfMemoryError:
-        ok, error = False, "out of memory"
-    except RuntimeError as err:  # e.g. cuBLAS / NCCL allocations that fail outside the caching allocator
-        if "out of memory" not in str(err).lower() and "CUBLAS_STATUS_ALLOC_FAILED" not in str(err):
+    except (torch.OutOfMemoryError, RuntimeError) as err:
+        error = out_of_memory(err)
+        if error is None:
             raise
-        ok, error = False, str(err).splitlines()[0][:200]
+        if error != "out of memory" and "CUBLAS_STATUS_ALLOC_FAILED" not in str(err):
+            raise DeviceError(error) from None
+        ok = False
     optimizer.zero_grad(set_to_none=True)
     _free()
     ok = dist.all_ok(ok)
@@ -301,16 +351,24 @@ def trial(model, optimizer, dist: Dist, length: int, vocab: int) -> tuple[bool, 
     return ok, (dist.max_peak(peak) if peak is not None else None), error
 
 
-def search(model, optimizer, dist: Dist, args: argparse.Namespace, vocab: int, log) -> dict[str, Any]:
+def search(
+    model, optimizer, dist: Dist, args: argparse.Namespace, vocab: int, log, known=None, progress=None
+) -> dict[str, Any]:
+    """The longest length that fits, from ``known`` trials on (an earlier process's); ``progress(trials, length)``
+    is told each length before its trial and the trials after it (length None)."""
     step = 2 * dist.world  # divisible by the ring's 2N chunks and Ulysses' N slices
-    tried: dict[int, dict[str, Any]] = {}
+    tried: dict[int, dict[str, Any]] = {int(n): t for n, t in (known or {}).items()}
 
     def attempt(length: int) -> bool:
         length = max(step, length // step * step)
         if length not in tried:
             t0 = time.time()
+            if progress is not None:
+                progress(tried, length)
             ok, peak, error = trial(model, optimizer, dist, length, vocab)
             tried[length] = {"ok": ok, "peak_gib": peak, "error": error, "seconds": time.time() - t0}
+            if progress is not None:
+                progress(tried, None)
             log(
                 f"    {length:>9} tokens: {'fits' if ok else 'OOM '}  peak {peak if peak is None else round(peak, 1)} GiB"
             )
@@ -353,8 +411,13 @@ def timed(model, optimizer, dist: Dist, length: int, vocab: int, steps: int) -> 
         if dist.device.type == "cuda":
             torch.cuda.synchronize()
         seconds = (time.perf_counter() - t0) / steps
-        ok = True
-    except torch.OutOfMemoryError:
+        ok, error = True, None
+    except (torch.OutOfMemoryError, RuntimeError) as err:
+        error = out_of_memory(err)
+        if error is None:
+            raise
+        if error != "out of memory":
+            raise DeviceError(error) from None
         ok, seconds = False, None
     optimizer.zero_grad(set_to_none=True)
     _free()
@@ -366,29 +429,25 @@ def timed(model, optimizer, dist: Dist, length: int, vocab: int, steps: int) -> 
         "step_s": seconds,
         "tokens_per_s": length / seconds if ok and seconds else None,
         "peak_gib": dist.max_peak(peak) if peak is not None else None,
+        **({"error": error} if error else {}),
     }
 
 
-def time_common(
-    shape: str, results: dict, args: argparse.Namespace, dist: Dist, log, save, rows: dict[str, Any]
-) -> None:
+def time_common(shape: str, results: dict, args: argparse.Namespace, measure, log, save, rows: dict[str, Any]) -> None:
     """Tokens/s of every setup at the shortest of their longest lengths (each fits it, or a longer one); when one of
     them runs out of memory over the timed steps there (a search trial is one step, the timed run several), every
-    setup is timed again, once, at the next shorter length all of them fitted in the search."""
+    setup is timed again, once, at the next shorter length all of them fitted in the search. ``measure(setup,
+    length)`` gives one setup's row."""
     first = min(results[setup]["longest"] for setup in args.setups)
     fitted = [{int(n) for n, t in results[setup]["trials"].items() if t["ok"]} for setup in args.setups]
     shorter = sorted((n for n in set.intersection(*fitted) if n < first), reverse=True)
-    common = [first, *shorter]
-    for length in common[:2]:
+    for length in [first, *shorter][:2]:
         rows.clear()
         for setup in args.setups:
-            model, optimizer, vocab = build(shape, setup, args, dist)
-            rows[setup] = timed(model, optimizer, dist, length, vocab, args.timed_steps)
+            rows[setup] = measure(setup, length)
             log(
                 f"  {setup} at {length} tokens: {rows[setup]['tokens_per_s']} tokens/s, peak {rows[setup]['peak_gib']} GiB"
             )
-            del model, optimizer
-            _free()
             save()
             if not rows[setup]["ok"]:
                 log(f"  {setup} ran out of memory over the timed steps at {length} tokens")
@@ -398,20 +457,23 @@ def time_common(
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     # Long single sequences fragment the caching allocator: without expandable segments a length that fits one
     # step can run out of memory on the next. Read at the first CUDA allocation, so set here; a caller's setting wins.
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    for name, value in MULTICAST_OFF.items():  # also for the processes --isolate starts
+        os.environ.setdefault(name, value)
     if not args.cpu and not torch.cuda.is_available():
         raise SystemExit("long_context: no CUDA device; --cpu runs the tiny smoke case")
-    if "liger" in args.setups:
-        try:
-            import liger_kernel  # noqa: F401
-        except ImportError:
-            args.setups = [s for s in args.setups if s != "liger"]
-            print("long_context: liger_kernel not importable, its setup skipped", flush=True)
+    if "liger" in args.setups and importlib.util.find_spec("liger_kernel") is None:
+        args.setups = [s for s in args.setups if s != "liger"]
+        print("long_context: liger_kernel not importable, its setup skipped", flush=True)
+    if args.isolate:
+        return run_isolated(args, argv)
     FAKE_LIMIT[0] = args.fake_memory_limit
     FAKE_TIMED_LIMIT[0] = args.fake_timed_memory_limit
+    FAKE_DEVICE_ERROR[0] = args.fake_device_error_above
     dist = Dist(args)
     t_start = time.time()
 
@@ -419,46 +481,155 @@ def main(argv: list[str] | None = None) -> int:
         if dist.rank == 0:
             print(f"[{time.time() - t_start:6.0f}s] {message}", flush=True)
 
-    out = Path(args.out)
-    path = out if out.suffix == ".json" else out / f"long_context_{args.parallel}_w{dist.world}.json"
-    report: dict[str, Any] = {
-        "args": vars(args),
-        "world_size": dist.world,
-        "parallel": args.parallel,
-        "cuda_alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
-        "results": {},
-    }
+    path = out_path(args.out, f"long_context_{args.parallel}_w{dist.world}")
+    report = new_report(args, dist.world)
     if dist.rank == 0:
         report["env"] = env_info()
 
     def save() -> None:
         if dist.rank == 0:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(json.dumps(report, indent=1, default=str))
+            write_json(path, report)
 
-    for shape in args.shapes:
-        results = report["results"].setdefault(shape, {})
-        for setup in args.setups:
-            if time.time() - t_start > args.time_budget:
-                log(f"{shape} {setup}: skipped (past the {args.time_budget:.0f} s budget)")
-                results[setup] = {"skipped": "time budget"}
+    def measure(shape: str, setup: str, length: int) -> dict[str, Any]:
+        model, optimizer, vocab = build(shape, setup, args, dist)
+        row = timed(model, optimizer, dist, length, vocab, args.timed_steps)
+        del model, optimizer
+        _free()
+        return row
+
+    try:
+        for shape in args.shapes:
+            results = report["results"].setdefault(shape, {})
+            if args.time_at:  # a child of --isolate: one timed run
+                rows = report.setdefault("throughput", {}).setdefault(shape, {})
+                for setup in args.setups:
+                    rows[setup] = measure(shape, setup, args.time_at)
                 continue
-            log(f"{shape} {setup} ({args.parallel}, {dist.world} GPU(s))")
-            model, optimizer, vocab = build(shape, setup, args, dist)
-            results[setup] = search(model, optimizer, dist, args, vocab, log)
-            log(f"  longest: {results[setup]['longest']} tokens")
-            del model, optimizer
-            _free()
-            save()
-        fits = [r["longest"] for r in results.values() if "longest" in r and r["longest"]]
-        if len(fits) == len(args.setups) and time.time() - t_start < args.time_budget + 60:
-            rows = report.setdefault("throughput", {}).setdefault(shape, {})
-            time_common(shape, results, args, dist, log, save, rows)
+            for setup in args.setups:
+                if time.time() - t_start > args.time_budget:
+                    log(f"{shape} {setup}: skipped (past the {args.time_budget:.0f} s budget)")
+                    results[setup] = {"skipped": "time budget"}
+                    continue
+                log(f"{shape} {setup} ({args.parallel}, {dist.world} GPU(s))")
+                known = json.loads(Path(args.known).read_text()) if args.known else {}
+
+                def progress(tried, length, results=results, setup=setup):
+                    results[setup] = {"trials": {str(k): v for k, v in sorted(tried.items())}, "in_flight": length}
+                    save()
+
+                model, optimizer, vocab = build(shape, setup, args, dist)
+                results[setup] = search(model, optimizer, dist, args, vocab, log, known, progress)
+                log(f"  longest: {results[setup]['longest']} tokens")
+                del model, optimizer
+                _free()
+                save()
+            fits = [r["longest"] for r in results.values() if "longest" in r and r["longest"]]
+            if not args.known and len(fits) == len(args.setups) and time.time() - t_start < args.time_budget + 60:
+                rows = report.setdefault("throughput", {}).setdefault(shape, {})
+                time_common(shape, results, args, functools.partial(measure, shape), log, save, rows)
+    except DeviceError as error:
+        # The process group and the CUDA context are not to be trusted after it: record, keep the JSON, end.
+        report["ended_by"] = str(error)
+        save()
+        log(f"ended by a CUDA / NCCL error taken for an out of memory: {error}")
+        os._exit(DEVICE_ERROR_EXIT)
     save()
     if dist.rank == 0:
         print(f"wrote {path}", flush=True)
     if dist.mode != "none":
         torch.distributed.destroy_process_group()
+    return 0
+
+
+def new_report(args: argparse.Namespace, world: int) -> dict[str, Any]:
+    return {
+        "args": vars(args),
+        "world_size": world,
+        "parallel": args.parallel,
+        "cuda_alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
+        "results": {},
+    }
+
+
+def run_isolated(args: argparse.Namespace, argv: list[str]) -> int:
+    """Each search, and each timed run, in a launch of its own (``--nproc`` processes). A launch that dies in a
+    trial on a CUDA / NCCL error gets that trial recorded as out of memory, and the search goes on in a fresh launch
+    from the trials made so far."""
+    passed = argv_without(argv, ("--nproc", "--shapes", "--setups", "--out", "--known", "--time-at"), ("--isolate",))
+    path = out_path(args.out, f"long_context_{args.parallel}_w{args.nproc}")
+    report = {**new_report(args, args.nproc), "isolated": True, "env": env_info(), "launches": []}
+    work = Path(tempfile.mkdtemp(prefix="long_context_"))
+    t_start = time.time()
+
+    def log(message: str) -> None:
+        print(f"[{time.time() - t_start:6.0f}s] {message}", flush=True)
+
+    def launch(name: str, *extra: str) -> tuple[dict[str, Any], str | None]:
+        """One child; its report, and why it died (None when it finished)."""
+        child = work / f"{name}.json"
+        command = [sys.executable, str(Path(__file__).resolve())]
+        if args.parallel != "none":
+            command[1:1] = ["-m", "torch.distributed.run", "--nproc_per_node", str(args.nproc)]
+            command[4:4] = ["--master_port", str(29500 + len(report["launches"]) % 500)]
+        begun = time.time()
+        done = subprocess.run([*command, *passed, *extra, "--out", str(child)], capture_output=True, text=True)
+        text = done.stdout + done.stderr
+        report["launches"].append({"name": name, "rc": done.returncode, "seconds": round(time.time() - begun, 1)})
+        found = json.loads(child.read_text()) if child.is_file() else {}
+        if done.returncode == 0:
+            return found, None
+        if found.get("ended_by"):  # the child's own words, when it lived to write them
+            return found, found["ended_by"]
+        lines = [line.strip() for line in text.splitlines() if any(m in line for m in DEVICE_OOM_MARKERS)]
+        why = f"out of memory (surfaced as: {lines[0][:200]})" if lines else f"failed: {text.strip()[-300:]}"
+        return found, why
+
+    for shape in args.shapes:
+        results = report["results"].setdefault(shape, {})
+        for setup in args.setups:
+            if time.time() - t_start > args.time_budget:
+                results[setup] = {"skipped": "time budget"}
+                continue
+            log(f"{shape} {setup} ({args.parallel}, {args.nproc} process(es), one launch per search)")
+            trials: dict[str, Any] = {}
+            for attempt in range(8):
+                known = work / "known.json"
+                known.write_text(json.dumps(trials))
+                found, why = launch(
+                    f"{shape}_{setup}_{attempt}", "--shapes", shape, "--setups", setup, "--known", str(known)
+                )
+                mine = found.get("results", {}).get(shape, {}).get(setup, {})
+                trials.update(mine.get("trials", {}))
+                if why is None:
+                    results[setup] = mine
+                    break
+                in_flight = mine.get("in_flight")
+                if in_flight is None or not why.startswith("out of memory"):
+                    results[setup] = {"trials": trials, "error": why}
+                    break
+                trials[str(in_flight)] = {"ok": False, "peak_gib": None, "error": why, "seconds": None}
+                log(f"    {in_flight:>9} tokens: OOM  ({why[:120]}); the search goes on in a fresh launch")
+            fits = [int(n) for n, t in trials.items() if t["ok"]]
+            results[setup].setdefault("longest", max(fits, default=0))
+            log(f"  longest: {results[setup]['longest']} tokens")
+            write_json(path, report)
+        if all(results.get(s, {}).get("longest") for s in args.setups):
+
+            def measure(setup: str, length: int, shape: str = shape) -> dict[str, Any]:
+                found, why = launch(
+                    f"{shape}_{setup}_timed_{length}", "--shapes", shape, "--setups", setup, "--time-at", str(length)
+                )
+                row = found.get("throughput", {}).get(shape, {}).get(setup)
+                return (
+                    row
+                    if why is None and row
+                    else {"length": length, "ok": False, "tokens_per_s": None, "peak_gib": None, "error": why}
+                )
+
+            rows = report.setdefault("throughput", {}).setdefault(shape, {})
+            time_common(shape, results, args, measure, log, lambda: write_json(path, report), rows)
+    write_json(path, report)
+    print(f"wrote {path}", flush=True)
     return 0
 
 

@@ -38,30 +38,33 @@ runs/multi_gpu; or a path ending in .json). Exit status 1 on FAIL.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
-import platform
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
 import torch
+from harness import (  # the checks' shared harness, next to this file (it puts the checkout first on sys.path)
+    REPO,
+    OpSpy,
+    Report,
+    argv_without,
+    check_launch,
+    check_params,
+    compare_params,
+    full_state_dict,
+    mode_of,
+    param_table,
+    rel_err,
+    set_exact_fp32,
+    start,
+    state_on_cpu,
+)
 
-REPO = Path(__file__).resolve().parents[2]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))  # lce_patch from this checkout, not an installed copy
-sys.path.insert(0, str(REPO / "benchmarks"))  # bench_common, in benchmarks/
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # multi_gpu_check, next to this file
-
-from bench_common import rel_err, set_exact_fp32  # noqa: E402
-from multi_gpu_check import check_launch, compare_params, full_state_dict, mode_of, update_failures  # noqa: E402
-
-import lce_patch  # noqa: E402
-from lce_patch.integrations.trl import distillation as served_distillation  # noqa: E402
+from lce_patch.integrations.trl import distillation as served_distillation
 
 PAD, EOS, BOS, UNK = 0, 1, 2, 3
 # What a launcher puts in the environment: removed for the single-process references.
@@ -171,46 +174,8 @@ def prompts(args: argparse.Namespace):
 
 
 # ------------------------------------------------------------------------------------- what the op saw
-CALLS: list[dict[str, Any]] = []
-
-
-def _describe(weight: torch.Tensor) -> dict[str, Any]:
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # pragma: no cover
-        DTensor = ()  # noqa: N806
-    is_dtensor = isinstance(weight, DTensor)
-    local = weight.to_local() if is_dtensor else weight
-    return {
-        "shape": list(weight.shape),
-        "local_shape": list(local.shape),
-        "type": type(weight).__name__,
-        "is_dtensor": is_dtensor,
-        "norm": float(local.detach().double().norm()),
-    }
-
-
-def install_call_recorder() -> None:
-    """Record both head weights each call of the op got (the name the served loss resolves at call time)."""
-    original = served_distillation.fused_linear_divergence
-    if getattr(original, "_distill_check", False):
-        return
-
-    def recording(hidden, weight, teacher_hidden, teacher_weight, **kwargs):
-        CALLS.append(
-            {
-                "student": _describe(weight),
-                "teacher": _describe(teacher_weight),
-                "hidden_shape": list(hidden.shape),
-                "num_items_in_batch": None
-                if kwargs.get("num_items_in_batch") is None
-                else float(kwargs["num_items_in_batch"]),
-            }
-        )
-        return original(hidden, weight, teacher_hidden, teacher_weight, **kwargs)
-
-    recording._distill_check = True  # type: ignore[attr-defined]
-    served_distillation.fused_linear_divergence = recording
+# Both head weights each call of the op got (the name the served loss resolves at call time)
+SPY = OpSpy(served_distillation, "fused_linear_divergence", weights={"student": 1, "teacher": 3}, labels_at=None)
 
 
 # ------------------------------------------------------------------------------------------------ training
@@ -226,7 +191,7 @@ def train(args: argparse.Namespace, served: bool, world: int, cpu: bool) -> tupl
     student = build_model(args, args.hidden, args.seed)
     # A teacher with wider weights: peaked distributions, far from the student's (a divergence worth its gradients)
     teacher = build_model(args, args.hidden * 3 // 2, args.seed + 100, std=args.teacher_std)
-    initial = {k: v.detach().to("cpu", copy=True) for k, v in student.state_dict().items()}
+    initial = state_on_cpu(student)
     config = trl.DistillationConfig(
         output_dir=tempfile.mkdtemp(prefix="distill_check_"),
         per_device_train_batch_size=args.batch // world,
@@ -287,10 +252,9 @@ def train(args: argparse.Namespace, served: bool, world: int, cpu: bool) -> tupl
 def run_reference(args: argparse.Namespace) -> int:
     """One process, the whole batch per step: writes losses, completions, calls and the student state to --out."""
     set_exact_fp32()
-    install_call_recorder()
+    SPY.install()
     trainer, seen = train(args, bool(args.served), world=1, cpu=not torch.cuda.is_available())
-    state = {k: v.detach().to("cpu", copy=True) for k, v in trainer.model.state_dict().items()}
-    torch.save({**seen, "state": state, "calls": list(CALLS)}, args.out)
+    torch.save({**seen, "state": state_on_cpu(trainer.model), "calls": SPY.take()}, args.out)
     return 0
 
 
@@ -319,6 +283,7 @@ def spawn_reference(args: argparse.Namespace, served: bool, argv: list[str], fol
 # ------------------------------------------------------------------------------------------------ main
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    start()
     args = parse_args(argv)
     if args.role == "reference":
         return run_reference(args)
@@ -327,47 +292,62 @@ def main(argv: list[str] | None = None) -> int:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if args.batch % world:
         raise SystemExit(f"--batch {args.batch} must be divisible by the number of processes {world}")
-    install_call_recorder()
-    t0 = time.time()
-    trainer, seen = train(args, served=True, world=world, cpu=cpu)
-    accelerator = trainer.accelerator
-    problem = check_launch(accelerator)
-    if problem:
-        print(f"FAIL distill_multi_gpu_check: {problem}", file=sys.stderr, flush=True)
-        return 2
-    mode = mode_of(accelerator)
-    state = full_state_dict(accelerator, trainer.model_wrapped)
-    rank = accelerator.process_index
-    mine = {"rank": rank, "calls": list(CALLS), **{k: seen[k] for k in ("losses", "completions", "valid_tokens")}}
-    mine["model_class"] = type(trainer.model_wrapped).__name__
-    mine["teacher_class"] = type(trainer.teacher_model).__name__
-    ranks = [mine]
-    if world > 1:
-        ranks = [None] * world
-        torch.distributed.all_gather_object(ranks, mine)
-    t_dist = time.time() - t0
-    accelerator.wait_for_everyone()
-    main_process = accelerator.is_main_process
-    # Done with collectives: a rank that leaves with its process group alive can abort at exit (gloo's threads)
-    accelerator.end_training()
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
-    if not main_process:
+    SPY.install()
+    rank = int(os.environ.get("RANK", "0"))
+    report = Report("distill_multi_gpu_check", args, "distill_multi_gpu_check", args.out, rank=rank)
+    with report.phase("distributed"):
+        trainer, seen = train(args, served=True, world=world, cpu=cpu)
+        accelerator = trainer.accelerator
+        problem = check_launch(accelerator)
+        if problem:
+            print(f"FAIL distill_multi_gpu_check: {problem}", file=sys.stderr, flush=True)
+            return 2
+        mode = mode_of(accelerator)
+        report.path = report.path.with_name(f"distill_multi_gpu_check_{mode['mode'].lower()}_{world}.json")
+        state = full_state_dict(accelerator, trainer.model_wrapped)
+        mine = {"rank": rank, "calls": SPY.take(), **{k: seen[k] for k in ("losses", "completions", "valid_tokens")}}
+        mine["model_class"] = type(trainer.model_wrapped).__name__
+        mine["teacher_class"] = type(trainer.teacher_model).__name__
+        ranks = [mine]
+        if world > 1:
+            ranks = [None] * world
+            torch.distributed.all_gather_object(ranks, mine)
+        report.data.update(mode=mode, ranks=ranks)
+        accelerator.wait_for_everyone()
+        # Done with collectives: a rank that leaves with its process group alive can abort at exit (gloo's threads)
+        accelerator.end_training()
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+    if rank != 0:
         return 0
-
     # References, one fresh process each (rank 0; the other ranks are done).
-    with tempfile.TemporaryDirectory(prefix="distill_check_ref_") as folder:
-        passed = _without_values(argv, ("--role", "--served", "--out"))
+    with report.phase("references"), tempfile.TemporaryDirectory(prefix="distill_check_ref_") as folder:
+        passed = argv_without(argv, ("--role", "--served", "--out"))
         ref_trl = spawn_reference(args, False, passed, Path(folder))
         ref_fused = spawn_reference(args, True, passed, Path(folder))
-    t_ref = time.time() - t0 - t_dist
-    init = seen["initial_state"]
+    with report.phase("compare"):
+        judge(report, args, ranks, state, seen["initial_state"], ref_trl, ref_fused, world)
+    title = [
+        f"distill_multi_gpu_check  mode={mode['mode']}  world_size={world}  backend={mode.get('backend', '-')}  "
+        f"device={mode['device']}  lce_patch backend={args.backend}  beta={args.beta}",
+        f"student {ranks[0]['model_class']}, teacher {ranks[0]['teacher_class']}; V={args.vocab} "
+        f"D={args.hidden}/{args.hidden * 3 // 2} layers={args.layers}; {args.batch} prompts/step "
+        f"({args.batch // world}/rank) x {args.prompt_len} + up to {args.completion_len}; SGD lr={args.lr}",
+        f"{'step':>4} {'TRL 1 proc':>14} {'served 1 proc':>14} {'served dist':>14} {'vs TRL':>9} {'vs served':>9}",
+    ]
+    table = [
+        f"{r['step']:>4} {r['trl']:>14.8f} {r['fused']:>14.8f} {r['dist']:>14.8f} "
+        f"{r['rel_err_vs_trl']:>9.2e} {r['rel_err_vs_fused']:>9.2e}  local " + " ".join(f"{x:.6f}" for x in r["local"])
+        for r in report.data["losses"]
+    ]
+    table += param_table(report.data["params_vs_trl"], report.data["params_vs_served"], "served")
+    ok = report.finish(title, table, f"{mode['mode']} world_size={world}")
+    return 0 if ok else 1
 
-    checks: list[dict[str, Any]] = []
 
-    def check(name: str, ok: bool, detail: str) -> None:
-        checks.append({"name": name, "ok": bool(ok), "detail": detail})
-
+def judge(report: Report, args, ranks, state, init, ref_trl, ref_fused, world: int) -> None:
+    """The verdicts: both heads whole in every call, the completions, the losses, the student's parameters."""
+    check = report.check
     student_shape = [args.vocab, args.hidden]
     teacher_shape = [args.vocab, args.hidden * 3 // 2]
     for info in ranks:
@@ -380,14 +360,17 @@ def main(argv: list[str] | None = None) -> int:
             for c in calls
         )
         seen_shapes = sorted({(tuple(c["student"]["local_shape"]), tuple(c["teacher"]["local_shape"])) for c in calls})
+        types = sorted({c[head]["type"] for c in calls for head in ("student", "teacher")})
         check(
             f"rank{info['rank']} op calls",
             len(calls) == args.steps and whole,
             f"{len(calls)} calls for {args.steps} steps; (student, teacher) head weights inside the call "
-            f"{seen_shapes}, types {sorted({c['student']['type'] for c in calls} | {c['teacher']['type'] for c in calls})}",
+            f"{seen_shapes}, types {types}",
         )
-        norm_errs = [rel_err(c["student"]["norm"], r["student"]["norm"]) for c, r in zip(calls, ref_fused["calls"])] + [
-            rel_err(c["teacher"]["norm"], r["teacher"]["norm"]) for c, r in zip(calls, ref_fused["calls"])
+        norm_errs = [
+            rel_err(c[head]["norm"], r[head]["norm"])
+            for c, r in zip(calls, ref_fused["calls"])
+            for head in ("student", "teacher")
         ]
         worst = max(norm_errs, default=math.inf)
         check(
@@ -420,7 +403,6 @@ def main(argv: list[str] | None = None) -> int:
         f"{[sum(info['valid_tokens'][s] for info in ranks) for s in range(args.steps)]}, per rank "
         f"{[[info['valid_tokens'][s] for info in ranks] for s in range(args.steps)]}",
     )
-
     loss_rows = []
     for s in range(args.steps):
         local = [info["losses"][s] for info in ranks]
@@ -436,113 +418,16 @@ def main(argv: list[str] | None = None) -> int:
                 "local": local,
             }
         )
+    report.data["losses"] = loss_rows
     for against in ("trl", "fused"):
         worst = max(r[f"rel_err_vs_{against}"] for r in loss_rows)
         check(f"loss vs {against}", worst <= args.rtol_loss, f"worst per-step rel err {worst:.2e}")
-
-    compared: dict[str, list[dict[str, Any]]] = {}
-    for against, ref in (("trl", ref_trl), ("fused", ref_fused)):
+    for against, ref, key in (("trl", ref_trl, "params_vs_trl"), ("fused", ref_fused, "params_vs_served")):
         params, missing = compare_params(state, ref["state"], init)
-        compared[against] = params
+        report.data[key] = params
         check(f"student parameters gathered ({against})", not missing and params, f"{len(params)}, missing {missing}")
-        if params:
-            worst_p = max(params, key=lambda p: p["rel_l2"])
-            check(
-                f"parameters vs {against}",
-                worst_p["rel_l2"] <= args.rtol_param,
-                f"worst rel L2 {worst_p['rel_l2']:.2e} ({worst_p['name']})",
-            )
-            failing, detail = update_failures(params, args.rtol_update)
-            check(f"updates (gradients) vs {against}", not failing, detail)
-    ok = all(c["ok"] for c in checks)
-
-    print("=" * 100)
-    print(
-        f"distill_multi_gpu_check  mode={mode['mode']}  world_size={world}  backend={mode.get('backend', '-')}  "
-        f"device={mode['device']}  lce_patch backend={args.backend}  beta={args.beta}"
-    )
-    print(
-        f"student {ranks[0]['model_class']}, teacher {ranks[0]['teacher_class']}; V={args.vocab} "
-        f"D={args.hidden}/{args.hidden * 3 // 2} layers={args.layers}; {args.batch} prompts/step "
-        f"({args.batch // world}/rank) x {args.prompt_len} + up to {args.completion_len}; SGD lr={args.lr}"
-    )
-    print(f"{'step':>4} {'TRL 1 proc':>14} {'served 1 proc':>14} {'served dist':>14} {'vs TRL':>9} {'vs served':>9}")
-    for r in loss_rows:
-        print(
-            f"{r['step']:>4} {r['trl']:>14.8f} {r['fused']:>14.8f} {r['dist']:>14.8f} "
-            f"{r['rel_err_vs_trl']:>9.2e} {r['rel_err_vs_fused']:>9.2e}  local "
-            + " ".join(f"{x:.6f}" for x in r["local"])
-        )
-    fused_by_name = {p["name"]: p for p in compared["fused"]}
-    print(f"{'parameter':<44} {'rel L2':>9} {'upd rel L2':>10} {'vs served':>10}")
-    shown = sorted(compared["trl"], key=lambda p: -p["update_rel_l2"])[:5]
-    shown += [p for p in compared["trl"] if "lm_head" in p["name"] and p not in shown]
-    for p in shown:
-        other = fused_by_name.get(p["name"], {}).get("update_rel_l2", math.nan)
-        print(f"{p['name']:<44} {p['rel_l2']:>9.2e} {p['update_rel_l2']:>10.2e} {other:>10.2e}")
-    for c in checks:
-        print(f"{'PASS' if c['ok'] else 'FAIL'} {c['name']}: {c['detail']}")
-    print(
-        f"{'PASS' if ok else 'FAIL'} distill_multi_gpu_check {mode['mode']} world_size={world} "
-        f"(distributed {t_dist:.1f}s, references {t_ref:.1f}s)"
-    )
-    print("=" * 100, flush=True)
-
-    import accelerate
-    import transformers
-    import trl
-
-    report = {
-        "ok": ok,
-        "args": vars(args),
-        "mode": mode,
-        "checks": checks,
-        "losses": loss_rows,
-        "params_vs_trl": compared["trl"],
-        "params_vs_served": compared["fused"],
-        "ranks": ranks,
-        "reference_calls": ref_fused["calls"],
-        "env": {
-            "torch": torch.__version__,
-            "lce_patch": lce_patch.__version__,
-            "transformers": transformers.__version__,
-            "trl": trl.__version__,
-            "accelerate": accelerate.__version__,
-            "python": platform.python_version(),
-            "cuda": torch.version.cuda,
-            "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
-            "NCCL_NVLS_ENABLE": os.environ.get("NCCL_NVLS_ENABLE"),
-        },
-        "seconds": {"distributed": t_dist, "references": t_ref},
-    }
-    try:
-        import deepspeed
-
-        report["env"]["deepspeed"] = deepspeed.__version__
-    except ImportError:
-        pass
-    out = Path(args.out)
-    path = out if out.suffix == ".json" else out / f"distill_multi_gpu_check_{mode['mode'].lower()}_{world}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(report, indent=1, default=str))
-    print(f"wrote {path}", flush=True)
-    return 0 if ok else 1
-
-
-def _without_values(argv: list[str], names: tuple[str, ...]) -> list[str]:
-    """``argv`` less the options ``names`` and their values (``--name value`` and ``--name=value``)."""
-    out, skip = [], False
-    for arg in argv:
-        if skip:
-            skip = False
-            continue
-        if arg in names:
-            skip = True
-            continue
-        if arg.split("=", 1)[0] in names:
-            continue
-        out.append(arg)
-    return out
+        check_params(report, against, params, args.rtol_param, args.rtol_update)
+    report.data["reference_calls"] = ref_fused["calls"]
 
 
 if __name__ == "__main__":

@@ -61,9 +61,7 @@ import datetime
 import functools
 import gc
 import inspect
-import json
 import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -75,17 +73,13 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from harness import REPO, OpSpy, Report, ranks, rel_err, rel_l2, start  # the checks' shared harness: first
 
-REPO = Path(__file__).resolve().parents[2]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "benchmarks"))  # bench_common, in benchmarks/
+# isort: split
+from bench_common import compile_counters, compile_delta, ratio_interval, save_profile, timing_summary
 
-from bench_common import git_revision, ratio_interval, rel_err, rel_l2, save_profile  # noqa: E402
-
-import lce_patch  # noqa: E402
-import lce_patch.models.forward as lce_forward  # noqa: E402
-from lce_patch import VocabShard, fused_linear_cross_entropy  # noqa: E402
+import lce_patch
+from lce_patch import VocabShard, fused_linear_cross_entropy
 
 SHAPES = {
     "llama": dict(
@@ -314,50 +308,6 @@ def load_distributed(args, path: Path, world: int) -> torch.nn.Module:
     return AutoModelForCausalLM.from_pretrained(path, distributed_config=config_class(**sizes), dtype=dtype)
 
 
-class OpCalls:
-    """Wraps the op the patched forward calls: what head weight each call got (a DTensor shard, a whole tensor)."""
-
-    def __init__(self) -> None:
-        self.calls: list[dict] = []
-        self.original = lce_forward.fused_linear_cross_entropy
-
-    def __enter__(self) -> OpCalls:
-        def counted(hidden, weight, *args, **kwargs):
-            placements = getattr(weight, "placements", None)
-            local = weight.to_local() if placements is not None else weight
-            self.calls.append(
-                {
-                    "weight": "DTensor" if placements is not None else "Tensor",
-                    "placements": [str(p) for p in placements] if placements is not None else None,
-                    "rows": int(weight.shape[0]),
-                    "local_rows": int(local.shape[0]),
-                }
-            )
-            return self.original(hidden, weight, *args, **kwargs)
-
-        lce_forward.fused_linear_cross_entropy = counted
-        return self
-
-    def __exit__(self, *exc) -> None:
-        lce_forward.fused_linear_cross_entropy = self.original
-
-
-def timing_summary(times: list[float]) -> dict:
-    ordered = sorted(times)
-
-    def pct(q: float) -> float:
-        return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
-
-    return {
-        "ms_median": statistics.median(times),
-        "ms_min": ordered[0],
-        "ms_p10": pct(0.1),
-        "ms_p90": pct(0.9),
-        "ms_max": ordered[-1],
-        "steps": len(times),
-    }
-
-
 def profile_step(args, step, variant: str, tokens: int, rank: int, cuda: bool) -> dict | None:
     """One step under torch.profiler on rank 0 (the other ranks step alongside): Chrome trace, op table, and
     :func:`bench_common.step_work`'s summary (returned; None on the other ranks)."""
@@ -405,7 +355,7 @@ def measure(args, model, step, variant: str, tokens: int, rank: int, device: tor
     (:func:`time_interleaved`)."""
     cuda = device.type == "cuda"
     graphs_before = compile_counters() if args.compile else None
-    with OpCalls() as op_calls:
+    with OpSpy(labels_at=None, norms=False) as op_calls:  # which head weight the op got (no host read: compile)
         loss = step()  # the values compared (and the first warm-up step)
     grads = {}
     for name, p in model.named_parameters():
@@ -425,29 +375,9 @@ def measure(args, model, step, variant: str, tokens: int, rank: int, device: tor
         "loss": float(loss),
         "grads": grads,
         "op_calls": len(op_calls.calls),
-        "op_weight": op_calls.calls[0] if op_calls.calls else None,
+        "op_weight": op_calls.calls[0]["weight"] if op_calls.calls else None,
         **({"profiled_step": work} if work is not None else {}),
     }
-
-
-def compile_counters() -> dict[str, Any]:
-    """Dynamo's running counts: graphs compiled and graph breaks by reason (empty before any compilation)."""
-    from torch._dynamo.utils import counters
-
-    return {"graphs": counters["stats"]["unique_graphs"], "breaks": dict(counters["graph_break"])}
-
-
-def compile_delta(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
-    """What the warm-up of one variant compiled: graphs, graph breaks, and the breaks' reasons (first line of
-    each, the counts summed by reason). The first step traces with the check's own op counter wrapped around the
-    op (its list append and shape reads), the later ones without it, so a variant compiles its graphs twice."""
-    reasons: dict[str, int] = {}
-    for reason, count in after["breaks"].items():
-        new = count - before["breaks"].get(reason, 0)
-        if new > 0:
-            line = str(reason).splitlines()[0][:160]
-            reasons[line] = reasons.get(line, 0) + new
-    return {"graphs": after["graphs"] - before["graphs"], "graph_breaks": sum(reasons.values()), "reasons": reasons}
 
 
 def set_variant(model, variant: str) -> None:
@@ -678,12 +608,12 @@ def summarize_model(args, tokens: int, ranks: list[dict], loss_tol: float, grad_
     # The fused op ran once per step on every rank: on a vocab-sharded DTensor head under tensor parallelism,
     # on the whole head (gathered by FSDP) without it.
     vocab = shape_of(args)["vocab"]
-    expected = "DTensor" if tp_size > 1 else "Tensor"
     for r in ranks:
-        weight = r["patched"].get("op_weight") or {}
+        weight = r["patched"].get("op_weight") or {"shape": [0], "local_shape": [0]}
+        rows, local_rows = weight["shape"][0], weight["local_shape"][0]
         ok = ok and r["patched"]["op_calls"] == 1 and r["unpatched"]["op_calls"] == 0
-        ok = ok and weight.get("weight") == expected and weight.get("rows") == vocab
-        ok = ok and (weight.get("local_rows", vocab) < vocab if tp_size > 1 else weight.get("local_rows") == vocab)
+        ok = ok and weight.get("is_dtensor") == (tp_size > 1) and rows == vocab
+        ok = ok and (local_rows < vocab if tp_size > 1 else local_rows == vocab)
     reference = ranks[0].get("reference")
     if reference is not None:
         tol = args.rtol_reference if args.rtol_reference is not None else (1e-5 if args.cpu else 1e-2)
@@ -696,23 +626,24 @@ def summarize_model(args, tokens: int, ranks: list[dict], loss_tol: float, grad_
     return row
 
 
-def print_model_table(report: dict) -> None:
-    print(
+def model_table(report: dict) -> list[str]:
+    lines: list[str] = []
+    lines.append(
         f"\n{report['arch']}, world size {report['world_size']}, {report['layout']} ({report['api']}), "
         + (f"torch.compile ({report['compile_backend']}), " if report.get("compile_backend") else "")
         + f"{report['warmup']} warm-up + {report['steps']} timed steps; ms per step on the slowest rank "
         "(median, p10-p90, min-max), peak MiB above the model (max over ranks)"
     )
     header = f"{'tokens':>7} {'variant':>9} {'median':>9} {'p10-p90':>17} {'min-max':>17} {'MiB':>8} {'loss':>10}"
-    print(header + "  vs one process")
+    lines.append(header + "  vs one process")
     for row in report["runs"]:
         for variant in ("unpatched", "patched"):
             v = row[variant]
             if "oom" in v:
-                print(f"{row['tokens']:>7} {variant:>9} out of memory: {v['oom'][:80]}")
+                lines.append(f"{row['tokens']:>7} {variant:>9} out of memory: {v['oom'][:80]}")
                 continue
             ref = row.get("reference", {}).get(f"{variant}_rel")
-            print(
+            lines.append(
                 f"{row['tokens']:>7} {variant:>9} {v['ms_median']:>9.2f} "
                 f"{v['ms_p10']:>8.2f}-{v['ms_p90']:<8.2f} {v['ms_min']:>8.2f}-{v['ms_max']:<8.2f} "
                 f"{v['peak_mib']:>8.0f} {v['loss']:>10.5f}  " + ("-" if ref is None else f"{ref:.2e}")
@@ -721,7 +652,7 @@ def print_model_table(report: dict) -> None:
             compiled = row[variant].get("compiled_rank0")
             if compiled:
                 reasons = "; ".join(f"{count} x {reason}" for reason, count in compiled["reasons"].items())
-                print(
+                lines.append(
                     f"{'':>7} {variant:>9} compiled (rank 0, warm-up): {compiled['graphs']} graphs, "
                     f"{compiled['graph_breaks']} graph breaks"
                     + (f" ({reasons})" if reasons else "")
@@ -729,33 +660,31 @@ def print_model_table(report: dict) -> None:
                 )
             work = row[variant].get("profiled_step_rank0")
             if work:
-                print(
+                lines.append(
                     f"{'':>7} {variant:>9} profiled step (rank 0): host {work['host_ms']:.1f} ms, GPU busy "
                     f"{work['gpu_busy_ms']:.1f} ms, {work['launches']} kernel launches, {work['cpu_ops']} operators, "
                     f"{work['syncs']} synchronisations"
                 )
         if "oom" in row["unpatched"] or "oom" in row["patched"]:
-            print(f"{'':>7} {'ok' if row['ok'] else 'FAIL'}")
+            lines.append(f"{'':>7} {'ok' if row['ok'] else 'FAIL'}")
             continue
         worst = max(row["ranks"], key=lambda r: r["worst_grad_rel"])
         low, high = row["ratio"]["interval95"]
-        print(
+        lines.append(
             f"{'':>7} patched / unpatched: x{row['ratio']['median']:.3f} time (95% interval {low:.3f}-{high:.3f}, "
             f"paired bootstrap over the steps), loss rel {max(r['loss_rel'] for r in row['ranks']):.2e}, "
             f"worst gradient {worst['worst_grad']} {worst['worst_grad_rel']:.2e}; {'ok' if row['ok'] else 'FAIL'}"
         )
+    return lines
 
 
 def main(argv=None) -> int:
+    start()
     args = parse_args(argv)
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    if args.cpu:
-        device = torch.device("cpu")
-    else:
-        device = torch.device("cuda", 0 if args.same_device else local_rank)
-        if args.same_device:
-            os.environ["LOCAL_RANK"] = "0"  # transformers' TP loading binds cuda:LOCAL_RANK
-        torch.cuda.set_device(device)
+    place = ranks(cpu=args.cpu, same_device=args.same_device)
+    device = place.device
+    if args.same_device:
+        os.environ["LOCAL_RANK"] = "0"  # transformers' TP loading binds cuda:LOCAL_RANK
     # A rank that fails alone (out of memory in a step) leaves the others in a collective: end them in minutes.
     dist.init_process_group("gloo" if args.same_device or args.cpu else "nccl", timeout=datetime.timedelta(minutes=5))
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -765,71 +694,68 @@ def main(argv=None) -> int:
             f"size {world}"
         )
     if args.part == "op":
-        result = [check_op(args, tokens, rank, world, device) for tokens in args.tokens]
+        name = f"tp_check_op_{args.arch}_w{world}"
     else:
-        result = check_model(args, rank, world, device)
-    gathered = [None] * world
-    dist.all_gather_object(gathered, result)
-    ok = True
+        name = f"tp_check_model_{args.arch}_{layout_name(args)}" + ("_compiled" if args.compile else "")
+    report = Report("tp_check", args, name, args.out, rank=rank)
+    report.data.update(part=args.part, arch=args.arch, world_size=world, same_device=args.same_device)
+    if args.part == "model":
+        report.data.update(
+            api=args.api,
+            layout=layout_name(args),
+            tp_size=world // data_parallel_size(args),
+            fsdp_size=args.fsdp_size,
+            replicate_size=args.replicate_size,
+            layers=args.layers,
+            seq_len=args.seq_len,
+            warmup=args.warmup,
+            steps=args.steps,
+            compile_backend=args.compile,
+            gradient_checkpointing=not args.no_checkpointing,
+        )
+    with report.phase(args.part):
+        if args.part == "op":
+            result = [check_op(args, tokens, rank, world, device) for tokens in args.tokens]
+        else:
+            result = check_model(args, rank, world, device)
+        gathered = [None] * world
+        dist.all_gather_object(gathered, result)
+    table: list[str] = []
     if rank == 0:
         # bf16 on GPUs: bf16 noise; fp32 on CPU: fp32 noise.
         grad_tol, loss_tol = (1e-4, 1e-5) if args.cpu else (2e-2, 1e-4)
-        report = {
-            "part": args.part,
-            "arch": args.arch,
-            "world_size": world,
-            "same_device": args.same_device,
-            "device": "cpu" if args.cpu else torch.cuda.get_device_name(device),
-            "versions": {
-                "torch": torch.__version__,
-                "transformers": __import__("transformers").__version__,
-                "python": platform.python_version(),
-            },
-            "commit": os.environ.get("LCE_BENCH_COMMIT") or git_revision(),
-            "date": time.strftime("%Y-%m-%d"),
-        }
-        if args.part == "op":
-            runs = []
-            for i, tokens in enumerate(args.tokens):
-                ranks = [r[i] for r in gathered]
-                run_ok = all(
-                    r["loss_rel_vs_one_process"] < 1e-5 and r["dh_rel_vs_one_process"] < grad_tol for r in ranks
-                )
-                run_ok = run_ok and all(
-                    r["dw_rel_vs_one_process"] < grad_tol and r["loss_rel_vs_fp32"] < loss_tol for r in ranks
-                )
-                runs.append({"tokens": tokens, "ranks": ranks, "ok": run_ok})
-            name = f"tp_check_op_{args.arch}_w{world}"
-        else:
-            runs = [
-                summarize_model(args, tokens, [r[i] for r in gathered], loss_tol, grad_tol)
-                for i, tokens in enumerate(args.tokens)
-            ]
-            report.update(
-                api=args.api,
-                layout=layout_name(args),
-                tp_size=world // data_parallel_size(args),
-                fsdp_size=args.fsdp_size,
-                replicate_size=args.replicate_size,
-                layers=args.layers,
-                seq_len=args.seq_len,
-                warmup=args.warmup,
-                steps=args.steps,
-                compile_backend=args.compile,
-                gradient_checkpointing=not args.no_checkpointing,
+        runs = []
+        for i, tokens in enumerate(args.tokens):
+            ranks_i = [r[i] for r in gathered]
+            if args.part == "model":
+                runs.append(summarize_model(args, tokens, ranks_i, loss_tol, grad_tol))
+                continue
+            run_ok = all(
+                r["loss_rel_vs_one_process"] < 1e-5
+                and r["dh_rel_vs_one_process"] < grad_tol
+                and r["dw_rel_vs_one_process"] < grad_tol
+                and r["loss_rel_vs_fp32"] < loss_tol
+                for r in ranks_i
             )
-            name = f"tp_check_model_{args.arch}_{layout_name(args)}" + ("_compiled" if args.compile else "")
-        ok = all(run["ok"] for run in runs)
-        report.update(runs=runs, ok=ok)
-        print(json.dumps(report, indent=1))
+            worst = {key: max(r[key] for r in ranks_i) for key in ranks_i[0] if key.endswith(("_one_process", "_fp32"))}
+            runs.append({"tokens": tokens, "ranks": ranks_i, "ok": run_ok, "worst": worst})
+        report.data["runs"] = runs
+        for run in runs:
+            if "worst" in run:
+                detail = ", ".join(f"{key} {value:.2e}" for key, value in run["worst"].items())
+            else:
+                ratio, reference = run.get("ratio"), run.get("reference", {})
+                detail = "patched / unpatched time " + (
+                    f"x{ratio['median']:.3f} (95% {ratio['interval95'][0]:.3f}-{ratio['interval95'][1]:.3f})"
+                    if ratio
+                    else "- (a variant ran out of memory)"
+                )
+                detail += f"; loss vs one process {reference.get('patched_rel', float('nan')):.1e}"
+            report.check(f"{run['tokens']} tokens", run["ok"], detail)
         if args.part == "model":
-            print_model_table(report)
-        out = Path(args.out)
-        out = out if out.suffix == ".json" else out / f"{name}.json"
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(report, indent=1))
-        label = f"{args.arch} world_size={world}" + (f" {layout_name(args)}" if args.part == "model" else "")
-        print(("PASS" if ok else "FAIL") + f" tp_check {args.part} {label}")
+            table = model_table(report.data)
+    label = f"{args.arch} world_size={world}" + (f" {layout_name(args)}" if args.part == "model" else "")
+    ok = report.finish([f"tp_check {args.part} {label}"], table, f"{args.part} {label}")
     flag = torch.tensor([int(ok)], device=device)
     dist.broadcast(flag, 0)
     dist.destroy_process_group()

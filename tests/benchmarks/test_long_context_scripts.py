@@ -84,3 +84,20 @@ def test_long_context_lengths_and_a_shorter_common_length(tmp_path):
         assert found["longest"] == 256 and not found["trials"]["384"]["ok"]
         row = report["throughput"]["tiny"][setup]
         assert row["length"] == 128 and row["ok"] and row["tokens_per_s"] > 0
+
+
+@pytest.mark.slow
+def test_long_context_isolated_records_a_device_error_as_out_of_memory(tmp_path):
+    # An out of memory that surfaces as an NCCL error (simulated) ends its process; --isolate records that trial as
+    # out of memory, goes on in a fresh process from the trials made, and times the longest length that fitted.
+    args = ["benchmarks/long_context.py", "--cpu", "--isolate", "--setups", "lce_patch", "--lengths", "64,256"]
+    args += ["--fake-device-error-above", "128", "--timed-steps", "1"]
+    result = _run([*args, "--out", str(tmp_path / "lc.json")], tmp_path, timeout=300)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
+    report = json.loads((tmp_path / "lc.json").read_text())
+    found = report["results"]["tiny"]["lce_patch"]
+    assert found["longest"] == 64 and found["trials"]["64"]["ok"]
+    failed = found["trials"]["256"]
+    assert not failed["ok"] and failed["error"].startswith("out of memory (surfaced as: NCCL Error 1")
+    assert [launch["rc"] for launch in report["launches"]] == [75, 0, 0]  # died, resumed, timed
+    assert report["throughput"]["tiny"]["lce_patch"]["length"] == 64

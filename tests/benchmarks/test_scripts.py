@@ -120,37 +120,39 @@ TP_CHECK_CASES = [
 # one process are tests/models/test_distributed_config.py's, so the script is launched with them on the GPU only.
 
 
+def _bench_common():
+    """benchmarks/bench_common.py, loaded from its file (benchmarks/ is no package)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_common", BENCHMARKS / "bench_common.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def test_tp_check_ratio_interval_is_a_paired_bootstrap():
     # The interval of median(patched) / median(unpatched): it holds the ratio of the medians, tightens with the
     # steps, excludes 1 for a clear difference and holds it for a tie of noisy steps; deterministic.
-    import importlib.util
     import random
 
-    spec = importlib.util.spec_from_file_location("tp_check", BENCHMARKS / "checks" / "tp_check.py")
-    tp_check = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tp_check)
+    ratio_interval = _bench_common().ratio_interval  # what tp_check and multi_gpu_train report
     noise = random.Random(1)
     base = [100.0 * (1 + 0.2 * noise.random()) for _ in range(100)]
     slower = [t * 1.1 for t in base]
-    low, high = tp_check.ratio_interval(base, slower)
+    low, high = ratio_interval(base, slower)
     assert abs(low - 1.1) < 1e-9 and abs(high - 1.1) < 1e-9  # paired: the same steps, 10% slower each
     tie = [100.0 * (1 + 0.2 * noise.random()) for _ in range(100)]
-    low, high = tp_check.ratio_interval(base, tie)
+    low, high = ratio_interval(base, tie)
     assert low < 1.0 < high and high - low < 0.15
-    assert tp_check.ratio_interval(base, tie) == (low, high)
-    few = tp_check.ratio_interval(base[:10], tie[:10])
+    assert ratio_interval(base, tie) == (low, high)
+    few = ratio_interval(base[:10], tie[:10])
     assert few[1] - few[0] > high - low
 
 
 def test_tp_check_step_work_reads_a_trace():
     # The profiled step's summary: the host's span over the operators, launches and synchronisations inside it
     # (not the profiler's own after it), the kernels' time summed.
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("tp_check", BENCHMARKS / "checks" / "tp_check.py")
-    tp_check = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tp_check)  # puts benchmarks/ on the path: bench_common's step_work, which --profile uses
-    from bench_common import step_work
+    step_work = _bench_common().step_work  # what tp_check's --profile reports
 
     def event(cat: str, name: str, ts: float, dur: float) -> dict:
         return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur}
