@@ -1,4 +1,6 @@
-"""Training-framework integrations: ``FusedLCECallback`` for ``transformers.Trainer`` (TRL in ``trl.py``).
+"""Training-framework integrations: ``FusedLCECallback`` for ``transformers.Trainer`` (``trainer.py``), the table
+of the trainers it serves (``serving.py``) and what their serving modules share (``shared.py``), TRL's trainers
+(``trl/``) and the axolotl plugin (``axolotl/``).
 
 Imported lazily so that ``import lce_patch`` does not import the Trainer stack.
 """

@@ -1,6 +1,6 @@
 """What the serving modules share: replacing a trainer's method on one instance (and putting it back), running
-served code inside the model wrapper's forward and autocast, the ops' options among a callback's, and reading the
-code of the methods replicated.
+served code inside the model wrapper's forward and autocast, the ops' options among a callback's, reading the
+code of the methods replicated, and the MoE router's auxiliary loss as TRL adds it to the fused loss.
 
 A served method is set on the trainer instance (the class is never changed) and carries the marker
 :data:`~lce_patch.integrations.serving.SERVED`; unserving deletes the instance attribute, so the class's method
@@ -19,7 +19,7 @@ import torch
 
 from .. import ops as _ops
 from ..models import get_head_config, head_call
-from ..ops.core.grads import fp32_output_gemm_available
+from ..ops.core import fp32_output_gemm_available
 from .serving import SERVED
 
 __all__ = [
@@ -29,6 +29,7 @@ __all__ = [
     "function",
     "head_log_probs",
     "is_served",
+    "load_balancing_loss",
     "log_prob_options",
     "overridden",
     "replace_method",
@@ -196,3 +197,28 @@ def divergence_options(options: dict[str, Any], *, fp32_logits: bool = False) ->
     elif options.get("fp32_weight_grad"):
         op_options["fp32_weight_grad"] = True
     return op_options
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The MoE router's auxiliary loss, beside a fused loss
+
+
+def load_balancing_loss(
+    model: torch.nn.Module, text_config: Any, backbone_outputs: Any, attention_mask: torch.Tensor | None
+) -> torch.Tensor:
+    """The MoE router's auxiliary loss (a 0-d tensor) exactly as TRL 1.16's `_fused_forward` computes it from the
+    backbone's ``router_logits``."""
+    import transformers
+    from packaging.version import Version
+    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+
+    tf_version = Version(transformers.__version__)
+    if tf_version < Version("5.0.0"):
+        num_experts, top_k = model.num_experts, model.num_experts_per_tok
+    else:
+        if text_config.model_type == "gpt_oss" and tf_version < Version("5.6.0"):
+            num_experts = model.num_experts
+        else:
+            num_experts = text_config.num_experts
+        top_k = text_config.num_experts_per_tok
+    return load_balancing_loss_func(backbone_outputs.router_logits, num_experts, top_k, attention_mask)

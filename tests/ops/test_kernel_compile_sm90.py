@@ -157,9 +157,9 @@ def test_every_launched_kernel_variant_compiles_for_sm90(monkeypatch):
     payload = list(payload.values())
     names = {variant["kernel"] for variant in payload}
     assert {
-        "_stats_kernel",
-        "_grad_kernel",
-        "_target_logit_kernel",
+        "stats_kernel",
+        "grad_kernel",
+        "target_logit_kernel",
         "scale_inplace_kernel",
         "scale_pair_inplace_kernel",
         "prepare_labels_kernel",

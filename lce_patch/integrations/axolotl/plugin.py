@@ -236,8 +236,7 @@ def options_from(cfg: Any) -> dict[str, Any]:
 
 def patched_line(model: Any) -> str:
     """The one line logged once ``model`` is patched: the model, and the options the plugin sets, as in force."""
-    from lce_patch.models import unwrap_causal_lm
-    from lce_patch.models.options import OPTIONS_ATTR
+    from ...models import OPTIONS_ATTR, unwrap_causal_lm
 
     inner = unwrap_causal_lm(model)
     opts = getattr(inner, OPTIONS_ATTR)
@@ -264,8 +263,7 @@ class LCEPatchPlugin(BasePlugin):
         # After adapters are attached; axolotl also calls this for a separately loaded reference model.
         if not is_enabled(cfg):
             return
-        from lce_patch import apply_fused_lce
-        from lce_patch.models.patch import unannounced
+        from ...models import apply_fused_lce, unannounced
 
         with unannounced():  # this line instead, through axolotl's logging
             apply_fused_lce(model, **options_from(cfg))
@@ -274,7 +272,7 @@ class LCEPatchPlugin(BasePlugin):
     def add_callbacks_pre_trainer(self, cfg: Any, model: Any) -> list:
         if not is_enabled(cfg):
             return []
-        from lce_patch import FusedLCECallback
+        from ..trainer import FusedLCECallback
 
         callback = FusedLCECallback(**options_from(cfg))
         callback.announce = False  # post_model_load's line said it

@@ -38,14 +38,13 @@ import torch
 from ... import ops as _ops
 from ...models import LCEOptions, get_head_config, head_call, unwrap_causal_lm
 from ..serving import SERVED
-from ..shared import IGNORE_INDEX, log_prob_options
+from ..shared import IGNORE_INDEX, load_balancing_loss, log_prob_options
 from .protocol import TRLProtocolError, trl_version
 
 __all__ = [
     "find_trl_head",
     "install_heads",
     "is_head_served",
-    "load_balancing_loss",
     "maybe_install_trl_head",
     "remove_trl_head",
     "serve",
@@ -383,27 +382,6 @@ def _make_forward(
         )
 
     return _lce_fused_forward
-
-
-def load_balancing_loss(
-    model: torch.nn.Module, text_config: Any, backbone_outputs: Any, attention_mask: torch.Tensor | None
-) -> torch.Tensor:
-    """The MoE router's auxiliary loss (a 0-d tensor) exactly as TRL 1.16's `_fused_forward` computes it from the
-    backbone's ``router_logits``."""
-    import transformers
-    from packaging.version import Version
-    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
-
-    tf_version = Version(transformers.__version__)
-    if tf_version < Version("5.0.0"):
-        num_experts, top_k = model.num_experts, model.num_experts_per_tok
-    else:
-        if text_config.model_type == "gpt_oss" and tf_version < Version("5.6.0"):
-            num_experts = model.num_experts
-        else:
-            num_experts = text_config.num_experts
-        top_k = text_config.num_experts_per_tok
-    return load_balancing_loss_func(backbone_outputs.router_logits, num_experts, top_k, attention_mask)
 
 
 # --------------------------------------------------------------------------------------------------------------------

@@ -45,12 +45,12 @@ from ..shared import (
     function,
     head_log_probs,
     is_served,
+    load_balancing_loss,
     log_prob_options,
     replace_method,
     restore_method,
     run_in_forward,
 )
-from .head import load_balancing_loss
 from .protocol import check_names, trainer_protocol_error
 
 __all__ = ["preference_forward", "serve", "unserve"]

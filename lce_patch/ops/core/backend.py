@@ -66,6 +66,17 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+# The divergence ops' row kernels (one program per row, looping over the vocabulary): the vocabulary block per
+# loop iteration, and the program's warps.
+ROW_BLOCK_V = 2048
+ROW_NUM_WARPS = 8
+
+
+def row_block(vocab: int) -> int:
+    """The vocabulary block of a one-program-per-row kernel over ``vocab`` logits (``ROW_BLOCK_V`` at most)."""
+    return min(ROW_BLOCK_V, next_power_of_2(vocab))
+
+
 _SCALE_BLOCK = 4096
 
 

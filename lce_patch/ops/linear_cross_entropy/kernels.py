@@ -34,7 +34,7 @@ bytes per logit instead of 2 (bf16): on the H200, per 1024-row chunk of the Llam
 with the gradient, 82 -> 262 without. Without a softcap ``sum_v q_v z_v`` is linear in the hidden state,
 ``logit_scale * (h . W^T q + b . q)``, a GEMV that could spare the first pass that load (not done).
 
-``_stats_kernel`` (one program per row) makes two passes over the row's V logits. The first is an
+``stats_kernel`` (one program per row) makes two passes over the row's V logits. The first is an
 online log-sum-exp in fp32, kept per lane and merged once at the end: a running max ``m`` and a
 sum ``s`` of ``exp(z - m)``, rescaled when the max grows, plus the target logit, the sum of the logits
 (label smoothing, mean logit), the entropy's sums (below), the sum of ``exp(2 (z - m))`` (``log sum
@@ -71,7 +71,7 @@ off for an ignored or out-of-range label, so the loops compare no column with th
 blocks of the row run without masks; only the last, partial block is masked.
 The buffer rounds each logit to the compute dtype (bf16: a relative error of 2^-9, ~0.06 on a
 logit of 30), and the loss reads the target logit directly; so with ``HAS_EXACT_TARGET`` the loss
-uses the target's raw logit computed in fp32 by ``_target_logit_kernel`` (a D-long dot product per
+uses the target's raw logit computed in fp32 by ``target_logit_kernel`` (a D-long dot product per
 token) and swaps its term inside the sum of exponentials. On the H100 this took the bf16 loss
 error from ~6e-5 to ~2e-6 relative to fp32 (benchmarks/NOTES.md, v5). The gradient keeps the
 buffer's own softmax, which is what the GEMMs consume.
@@ -100,7 +100,7 @@ in fp32 for any V), and the row's largest at least e^-40, also for a row whose l
 for the two passes (NOTES v15). The op uses it only when dh is the only gradient (a frozen W): a
 dW GEMM cannot scale its K rows, and putting the factor on hidden's rows rounds them a second time.
 
-``_grad_kernel`` (a 2-D grid over rows and vocab blocks) is the backward of per-token outputs:
+``grad_kernel`` (a 2-D grid over rows and vocab blocks) is the backward of per-token outputs:
 it takes the saved ``lse`` and entropy and per-row upstream gradients of the loss and of the
 entropy, and overwrites the recomputed buffer with their combined gradient::
 
@@ -122,7 +122,7 @@ import triton.language as tl
 from ..core.triton_helpers import lane_argmax, log1p, max_keep_nan, transform_logits
 
 # With UNNORMALIZED_GRAD, a row's exponentials are taken against a reference at most this far below
-# the bound of its logits (see _stats_kernel).
+# the bound of its logits (see stats_kernel).
 UNNORMALIZED_REF_SPAN: tl.constexpr = tl.constexpr(40.0)
 
 
@@ -272,7 +272,7 @@ def _grad_block(
 
 
 @triton.jit
-def _stats_kernel(
+def stats_kernel(
     logits_ptr,
     logits_row_stride,
     labels_ptr,
@@ -491,7 +491,7 @@ def _stats_kernel(
 
 
 @triton.jit
-def _grad_kernel(
+def grad_kernel(
     logits_ptr,
     logits_row_stride,
     labels_ptr,
@@ -548,7 +548,7 @@ def _grad_kernel(
 
 
 @triton.jit
-def _target_logit_kernel(
+def target_logit_kernel(
     hidden_ptr,
     hidden_row_stride,
     hidden_col_stride,

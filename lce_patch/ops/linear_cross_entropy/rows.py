@@ -278,7 +278,7 @@ def _triton_chunk_stats(
     block_v = min(_BLOCK_V_STATS, next_power_of_2(vocab_size))
     lane_group = 1 if use_fixed_max and grad_scale is not None else min(_LANE_GROUP, block_v)
     argmax = out.predicted is not None or out.is_top1 is not None  # is_top1 reads the argmax
-    _kernels._stats_kernel[(rows,)](
+    _kernels.stats_kernel[(rows,)](
         raw,
         raw.stride(0),
         labels,
@@ -322,7 +322,7 @@ def _triton_chunk_grad(raw, labels, transform, lse, entropy, grad_loss, grad_ent
     rows, vocab_size = raw.shape
     block_v = min(_BLOCK_V_GRAD, next_power_of_2(vocab_size))
     grid = (rows, cdiv(vocab_size, block_v))
-    _kernels._grad_kernel[grid](
+    _kernels.grad_kernel[grid](
         raw,
         raw.stride(0),
         labels,
@@ -406,7 +406,7 @@ def target_logits(
     if num_rows == 0:
         return out
     if use_triton:
-        _kernels._target_logit_kernel[(num_rows,)](
+        _kernels.target_logit_kernel[(num_rows,)](
             hidden,
             hidden.stride(0),
             hidden.stride(1),

@@ -38,7 +38,7 @@ import math
 
 import torch
 
-from ..core.backend import HAS_TRITON, next_power_of_2, stats_dtype
+from ..core.backend import HAS_TRITON, ROW_NUM_WARPS, row_block, stats_dtype
 from ..core.chunking import chunk_spans, sm_count, two_head_chunk_rows
 from ..core.grads import GradAccumulator, matmul_into
 from ..core.reduction import loss_scale
@@ -48,9 +48,6 @@ from .options import OP_NAME, DivergenceOptions
 if HAS_TRITON:
     from .kernels import launch_divergence
 
-# Triton rows: vocabulary block per loop iteration of the one-program-per-row kernel, and its warps.
-_BLOCK_V = 2048
-_NUM_WARPS = 8
 # Running the next chunk's teacher GEMM on a second CUDA stream beside this chunk's memory-bound row kernel
 # gained nothing on the H100 (Qwen2.5-1.5B <- 7B, N 4096: 19.14 ms serial vs 19.65 overlapped at the
 # default chunking, and slower or equal at 1024-2048 rows) and costs a second teacher buffer: not done.
@@ -176,8 +173,8 @@ def _run_triton_chunks(hidden, teacher_hidden, weight, bias, teacher_weight, tea
         teacher_logit_scale=options.teacher_logit_scale,
         teacher_softcap=options.teacher_softcap,
         inv_temperature=1.0 / options.temperature,
-        block_v=min(_BLOCK_V, next_power_of_2(vocab)),
-        num_warps=_NUM_WARPS,
+        block_v=row_block(vocab),
+        num_warps=ROW_NUM_WARPS,
     )
     for start, end in spans:
         rows = slice(start, end)

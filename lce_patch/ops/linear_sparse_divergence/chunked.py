@@ -22,7 +22,7 @@ import dataclasses
 
 import torch
 
-from ..core.backend import HAS_TRITON, next_power_of_2, stats_dtype
+from ..core.backend import HAS_TRITON, ROW_NUM_WARPS, row_block, stats_dtype
 from ..core.chunking import buffer_rows, resolve_chunks
 from ..core.grads import GradAccumulator, matmul_into
 from ..core.reduction import loss_scale
@@ -31,10 +31,6 @@ from .sparse import sparse_divergence
 
 if HAS_TRITON:
     from .kernels import launch_dense_grad, launch_row_stats
-
-# Triton rows: vocabulary block per loop iteration of the one-program-per-row kernels, and their warps.
-_BLOCK_V = 2048
-_NUM_WARPS = 8
 
 
 def check_candidates(ids: torch.Tensor, teacher: torch.Tensor, mask: torch.Tensor, vocab_size: int) -> None:
@@ -127,8 +123,8 @@ def run_chunks(rows: _Rows, options: SparseDivergenceOptions, row_coeff: torch.T
         softcap=options.softcap,
         logit_scale=options.logit_scale,
         temperature=options.temperature,
-        block_v=min(_BLOCK_V, next_power_of_2(vocab)),
-        num_warps=_NUM_WARPS,
+        block_v=row_block(vocab),
+        num_warps=ROW_NUM_WARPS,
     )
     for start, end in spans:
         span = slice(start, end)
