@@ -115,7 +115,7 @@ class LossProgressBar(ProgressCallback):
         elif self.lines and state.is_world_process_zero:
             step = state.global_step
             if step % self._every == 0 or step == state.max_steps or step == 1:
-                print(f"{self.label.strip()}: step {step}/{state.max_steps}, loss {logs['loss']:.3f}", flush=True)
+                print(f"{self.label.strip()} step {step}/{state.max_steps}, loss {logs['loss']:.3f}", flush=True)
 
     def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any):
         if self.training_bar is not None:
@@ -163,7 +163,8 @@ def train_once(
         _repeat_filter.attach()  # loggers set up while the Trainer was built (DeepSpeed's)
     trainer.remove_callback(ProgressCallback)
     trainer.remove_callback(PrinterCallback)  # the Trainer's own where disable_tqdm is set: each log as a dict
-    trainer.add_callback(LossProgressBar(f"{name:>9}"))
+    # the run's name as the comparison table prints it, in brackets: not the library's own "lce_patch:" line
+    trainer.add_callback(LossProgressBar(f"[{FUSED if fused else recipe.baseline}]"))
     with peak_memory(trainer.model) as memory:
         trainer.train()
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
