@@ -10,15 +10,18 @@ trainer's, a model's or a module's place carries one marker attribute, :data:`SE
 subclass of a served trainer is served as its base (and a served class deriving from another served class, GKD
 from SFT, gets its own row). ``FusedLCECallback`` serves the rows marked ``"init"`` at the end of
 ``Trainer.__init__``; the rows marked ``"train"`` are served at ``on_train_begin`` by TRL's fused-LM-head
-protocol (which any trainer whose model carries TRL's head gets); the rows marked ``"plugin"`` by the axolotl
-plugin. The Trainer and TRL page's trainer table and the axolotl plugin's list of preference modes are generated
-from :data:`ROWS`.
+protocol (which any trainer whose model carries TRL's head gets); on a TRL without that protocol (TRL < 1.15),
+:func:`find_row` gives those rows as TRL's own path, warned about at ``"init"``; the rows marked ``"plugin"`` by
+the axolotl plugin. The Trainer and TRL page's trainer table and the axolotl plugin's list of preference modes are
+generated from :data:`ROWS`.
 
 This module imports nothing beyond the standard library.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import importlib
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -34,6 +37,7 @@ __all__ = [
     "mro_lookup",
     "serve_trainer",
     "unserve_trainer",
+    "without_fused_head",
 ]
 
 SERVED = "__lce_patch_served__"
@@ -89,6 +93,9 @@ class Row:
 
 
 _HEAD = "lce_patch.integrations.trl.head"
+_UNSERVED = "lce_patch.integrations.trl.unserved"
+_PROTOCOL = "lce_patch.integrations.trl.protocol"
+_NO_HEAD_HOW = "TRL's own path, with a warning: TRL < 1.15 has no fused LM head to serve (its model left unpatched)"
 _HEAD_HOW = "TRL's fused head, policy and reference, served by lce_patch's op"
 _LOG_PROBS = "Fused by lce_patch: `fused_linear_log_probs`"
 _UNSERVED_HOW = (
@@ -146,9 +153,24 @@ def base_class(obj: Any, module: str, name: str) -> type | None:
 
 
 def find_row(trainer: Any) -> Row | None:
-    """The row of the most derived class of ``trainer`` (an instance or a class) that has one, or None."""
+    """The row of the most derived class of ``trainer`` (an instance or a class) that has one, or None.
+
+    A row served by TRL's fused LM head, on a TRL without that protocol (TRL < 1.15), comes back as TRL's own path
+    (:func:`without_fused_head`)."""
     found = mro_lookup(trainer if isinstance(trainer, type) else type(trainer), _BY_CLASS)
-    return None if found is None else found[1]
+    if found is None:
+        return None
+    row = found[1]
+    if row.serving == _HEAD and not importlib.import_module(_PROTOCOL).has_fused_lm_head():
+        return without_fused_head(row)
+    return row
+
+
+@functools.cache
+def without_fused_head(row: Row) -> Row:
+    """A fused-head row as served on a TRL without the fused-LM-head protocol (TRL < 1.15): by ``unserved``, at the
+    end of ``Trainer.__init__``, which warns and leaves the trainer on TRL's own path."""
+    return dataclasses.replace(row, serving=_UNSERVED, when="init", how=_NO_HEAD_HOW)
 
 
 def serve_trainer(trainer: Any, options: dict[str, Any]) -> bool:

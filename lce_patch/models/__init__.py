@@ -24,7 +24,15 @@ from .patch import (
     revert_fused_lce,
     unannounced,
 )
-from .registry import REGISTRY, UNSUPPORTED, ArchSpec, HeadConfig, supported_architectures
+from .registry import (
+    REGISTRY,
+    UNSUPPORTED,
+    ArchSpec,
+    HeadConfig,
+    inline_loss_types,
+    supported_architectures,
+    unsupported_architectures,
+)
 
 __all__ = [
     "EXTRA_OUTPUTS",
@@ -38,6 +46,7 @@ __all__ = [
     "fsdp1_inner",
     "get_head_config",
     "head_call",
+    "inline_loss_types",
     "is_patched",
     "loss_only",
     "options_text",
@@ -45,6 +54,7 @@ __all__ = [
     "resolve_head_module",
     "revert_fused_lce",
     "supported_architectures",
+    "unsupported_architectures",
     "unannounced",
     "unwrap_causal_lm",
 ]

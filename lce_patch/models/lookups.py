@@ -8,7 +8,7 @@ import torch
 
 from .adapters import head_leaves, lora_linear_class, peft_classes
 from .forward import unpatched
-from .registry import REGISTRY
+from .registry import REGISTRY, inline_loss_reason
 
 
 @functools.cache
@@ -51,10 +51,23 @@ def registered_classes(model: torch.nn.Module) -> list[type]:
     ]
 
 
+def inline_loss_of(cls: type) -> str | None:
+    """Why ``cls``'s forward in the installed transformers computes its loss inline (not through
+    ``self.loss_function``, where the fused loss stands in), naming the class and the version; None where it does
+    not (see :func:`lce_patch.models.registry.inline_loss_reason`)."""
+    reason = inline_loss_reason(unpatched(cls.forward), cls)
+    if reason is None:
+        return None
+    import transformers
+
+    return f"{cls.__name__}'s forward in the installed transformers {transformers.__version__} {reason}"
+
+
 def is_registered(model: torch.nn.Module) -> bool:
-    """Whether this instance is of a class a registered type maps to, with that class's own forward."""
-    if not plain_linear_head(model):
-        return False  # a custom head module: its forward may transform the logits
+    """Whether this instance is of a class a registered type maps to, with that class's own forward, and that
+    forward computes its loss through ``self.loss_function``."""
+    if not plain_linear_head(model) or inline_loss_of(type(model)) is not None:
+        return False  # a custom head module may transform the logits; an inline loss cannot be replaced
     forward = unpatched(type(model).forward)
     return any(forward is unpatched(cls.forward) for cls in registered_classes(model))
 

@@ -27,10 +27,10 @@ from .forward import (
     unpatched,
 )
 from .head import SLOT_ATTR, remove_interceptor
-from .lookups import is_registered, mapped_classes, output_embeddings
+from .lookups import inline_loss_of, is_registered, mapped_classes, output_embeddings
 from .loss_options import prepare_output_classes
 from .options import OPTIONS_ATTR, LCEOptions
-from .refusals import refusal
+from .refusals import inline_loss_of_type, refusal
 from .registry import REGISTRY, ArchSpec, HeadConfig, derived_spec
 from .self_check import check_against_own_forward
 
@@ -170,6 +170,8 @@ def apply_fused_lce(model_or_model_type: Any, **options: Any) -> Any:
                 "Keep the head unquantized: with bitsandbytes, add 'lm_head' to llm_int8_skip_modules (a list "
                 "given there replaces transformers' default, which excludes the head)."
             )
+        if inline_loss_of(type(model)) is not None:  # its loss is not the loss_function's: nothing can stand in
+            raise refusal(model)
         registered = is_registered(model)
         model_type = getattr(model.config, "model_type", None)
         if not registered and not opts.allow_unregistered:
@@ -267,7 +269,7 @@ def revert_fused_lce(model_or_model_type: Any) -> Any:
 
 
 def _patch_classes(model_type: str, opts: LCEOptions) -> tuple[type, ...]:
-    if model_type not in REGISTRY:
+    if model_type not in REGISTRY or inline_loss_of_type(model_type) is not None:
         raise refusal(model_type)
     if opts.allow_unregistered:
         raise ValueError("lce_patch: allow_unregistered applies to model instances, not to model_type strings")

@@ -9,7 +9,15 @@ from typing import Any
 import torch
 
 from .adapters import resolve_head_module
-from .lookups import is_lm_class, mapping_names, output_embeddings, plain_linear_head, registered_classes
+from .lookups import (
+    inline_loss_of,
+    is_lm_class,
+    mapped_classes,
+    mapping_names,
+    output_embeddings,
+    plain_linear_head,
+    registered_classes,
+)
 from .registry import REGISTRY, UNSUPPORTED
 
 _EXAMPLES = ("llama", "gemma2", "gemma3", "mistral", "qwen3")
@@ -21,8 +29,17 @@ _ALLOW_UNREGISTERED_HINT = (
 
 
 def _supported() -> str:
-    examples = ", ".join(t for t in _EXAMPLES if t in REGISTRY)
+    """Where the supported types are listed: the registered ones are counted (on an older transformers,
+    supported_architectures() leaves out those computing their loss inline there, which reading every class's
+    forward would take too long to count here); the examples are those supported on the installed version."""
+    examples = ", ".join(t for t in _EXAMPLES if t in REGISTRY and inline_loss_of_type(t) is None)
     return f"Supported: the {len(REGISTRY)} model types of lce_patch.supported_architectures(), e.g. {examples}."
+
+
+def inline_loss_of_type(model_type: str) -> str | None:
+    """Why a registered ``model_type``'s classes cannot be patched on the installed transformers (one computes its
+    loss inline there), or None."""
+    return next(filter(None, map(inline_loss_of, mapped_classes(model_type))), None)
 
 
 def _normalized(model_type: str) -> str:
@@ -46,6 +63,9 @@ def _type_string_hint(model_type: str) -> str:
     """
     if model_type in UNSUPPORTED:
         return f": {UNSUPPORTED[model_type]}. {_supported()}"
+    inline = inline_loss_of_type(model_type) if model_type in REGISTRY else None
+    if inline is not None:
+        return f": {inline}, which the fused loss cannot stand in for. {_supported()}"
     if model_type in mapping_names():
         return f": lce_patch has not verified this model type of the installed transformers. {_supported()}"
     refused = {_normalized(t): t for t in UNSUPPORTED}.get(_normalized(model_type))
@@ -82,6 +102,9 @@ def _unregistered_reason(model: torch.nn.Module) -> str | None:
     model_type = getattr(model.config, "model_type", None)
     if model_type in UNSUPPORTED:
         return UNSUPPORTED[model_type]
+    inline = inline_loss_of(type(model))
+    if inline is not None:
+        return f"{inline}, which the fused loss cannot stand in for"
     head = output_embeddings(model)
     if head is None:
         return "its LM head is not exposed by get_output_embeddings()"
@@ -96,7 +119,7 @@ def _unregistered_reason(model: torch.nn.Module) -> str | None:
 def _self_check_applies(model: torch.nn.Module) -> bool:
     """Whether allow_unregistered can patch the model: a type not refused outright, a floating-point head weight."""
     head = output_embeddings(model)
-    if getattr(model.config, "model_type", None) in UNSUPPORTED or head is None:
+    if getattr(model.config, "model_type", None) in UNSUPPORTED or head is None or inline_loss_of(type(model)):
         return False
     try:
         weight = getattr(resolve_head_module(head), "weight", None)

@@ -19,6 +19,7 @@ import dataclasses
 import functools
 import inspect
 import re
+import types
 from dataclasses import dataclass
 
 import torch
@@ -112,6 +113,63 @@ def _transforms_in(forward) -> tuple[tuple[str, str], ...]:
             if match["name"] in _SCALE_FIELDS and match["op"] is not None:
                 found.append(("divisor" if match["op"] == "/" else "scale", match["name"]))
     return tuple(found)
+
+
+# Names whose use in a forward computes a cross-entropy loss there, on the logits.
+_INLINE_LOSS_NAMES = ("CrossEntropyLoss", "cross_entropy", "nll_loss", "NLLLoss")
+
+
+def _code_names(function) -> frozenset[str]:
+    """The global and attribute names a function's code (and the code of its nested functions) uses."""
+    code = getattr(inspect.unwrap(function), "__code__", None)
+    names: set[str] = set()
+    pending = [code] if code is not None else []
+    while pending:
+        code = pending.pop()
+        names.update(code.co_names)
+        pending += [const for const in code.co_consts if isinstance(const, types.CodeType)]
+    return frozenset(names)
+
+
+def _loss_names(forward, owner: type | None) -> frozenset[str]:
+    """The names a forward uses, with those of the methods of ``owner`` it calls and, where it calls
+    ``super().forward``, those of the base class's forward."""
+    names = _code_names(forward)
+    found = set(names)
+    if owner is None or not names:
+        return frozenset(found)
+    for name in names - {"forward"}:
+        method = inspect.getattr_static(owner, name, None)
+        if inspect.isfunction(method):
+            found |= _code_names(method)
+    if {"super", "forward"} <= names:
+        target = inspect.unwrap(forward)
+        classes = [cls for cls in owner.__mro__ if "forward" in vars(cls)]
+        here = next((i for i, cls in enumerate(classes) if inspect.unwrap(vars(cls)["forward"]) is target), None)
+        if here is not None and here + 1 < len(classes):
+            base = classes[here + 1]
+            found |= _loss_names(vars(base)["forward"], base)
+    return frozenset(found)
+
+
+@functools.cache
+def inline_loss_reason(forward, owner: type | None = None) -> str | None:
+    """How an (unpatched) ``forward`` computes its loss without ``self.loss_function``; None where it does not.
+
+    Read from the forward's code, so it holds on any transformers version: a forward that names ``loss_function``
+    (itself, in a method of ``owner`` it calls, or in the base class's forward it calls through ``super()``)
+    computes its loss there, where the fused loss stands in for it. One that names none but builds a cross-entropy
+    on the logits (``CrossEntropyLoss``, ``cross_entropy``, ...) computes its loss inline, where the fused loss
+    cannot stand in: patched, its first call with labels would raise. None also where the code cannot be read.
+    """
+    names = _loss_names(forward, owner)
+    if "loss_function" in names:
+        return None
+    inline = next((name for name in _INLINE_LOSS_NAMES if name in names), None)
+    if inline is None:
+        return None
+    what = "a CrossEntropyLoss" if inline == "CrossEntropyLoss" else inline
+    return f"computes its loss inline ({what} on the logits), not through self.loss_function"
 
 
 def derived_spec(forward, model_type: str, registered: bool = False) -> ArchSpec:
@@ -214,9 +272,42 @@ UNSUPPORTED: dict[str, str] = {
 REGISTRY: frozenset[str] = frozenset(_REGISTERED)
 
 
+def inline_loss_types() -> dict[str, str]:
+    """Registered types that the installed transformers refuses: those whose class there computes its loss inline.
+
+    model_type -> the reason, naming the class and the transformers version. A type registered on a newer
+    transformers may compute its loss inline on an older one (Gemma 3, Mamba and six more on 5.6); it is then
+    refused, not patched and failing at its first training call. Read from each registered class's forward (its
+    module is imported the first time this is asked; cached after).
+    """
+    return dict(_inline_loss_types())
+
+
+@functools.cache
+def _inline_loss_types() -> tuple[tuple[str, str], ...]:
+    from .lookups import inline_loss_of, mapped_classes  # lookups reads this module
+
+    found = []
+    for model_type in sorted(REGISTRY):
+        for cls in mapped_classes(model_type):
+            reason = inline_loss_of(cls)
+            if reason is not None:
+                found.append((model_type, reason))
+                break
+    return tuple(found)
+
+
 def supported_architectures() -> list[str]:
-    """The ``config.model_type`` values :func:`lce_patch.apply_fused_lce` patches without a self-check."""
-    return sorted(REGISTRY)
+    """The ``config.model_type`` values :func:`lce_patch.apply_fused_lce` patches without a self-check on the
+    installed transformers: the registered types, less those whose forward computes its loss inline on that
+    version (:func:`inline_loss_types`). The first call imports each registered type's model classes."""
+    return sorted(REGISTRY - {model_type for model_type, _ in _inline_loss_types()})
+
+
+def unsupported_architectures() -> dict[str, str]:
+    """The refused types of the installed transformers, with the reason: :data:`UNSUPPORTED` and
+    :func:`inline_loss_types`."""
+    return {**UNSUPPORTED, **inline_loss_types()}
 
 
 def architectures_markdown() -> str:
@@ -225,7 +316,7 @@ def architectures_markdown() -> str:
         f"**Registered ({len(REGISTRY)} model types)**, patched by `apply_fused_lce(model)` with no options "
         "(each proven equal to the unpatched model by `tests/models/test_every_architecture.py`):",
         "",
-        ", ".join(f"`{name}`" for name in supported_architectures()),
+        ", ".join(f"`{name}`" for name in sorted(REGISTRY)),
         "",
         f"**Refused ({len(UNSUPPORTED)} model types)**, with the reason:",
         "",

@@ -7,8 +7,9 @@ and the revert. What a type gets decides how it is patched:
 
 - registered (``lce_patch.supported_architectures()``): ``apply_fused_lce(model)`` with no options, and
   every comparison must hold;
-- listed in ``UNSUPPORTED``: refused by default, and the self-check of ``allow_unregistered=True``
-  must refuse it too (no type passes the check and then trains differently);
+- listed in ``UNSUPPORTED``, or computing its loss inline on the installed transformers
+  (``lce_patch.models.unsupported_architectures()``): refused by default, and the self-check of
+  ``allow_unregistered=True`` must refuse it too (no type passes the check and then trains differently);
 - neither (a type a newer transformers added): patched through ``allow_unregistered=True``; if the
   check accepts it, every comparison must hold, which is the forward-compatibility promise.
 """
@@ -21,7 +22,7 @@ import pytest
 import torch
 
 import lce_patch
-from lce_patch.models import UNSUPPORTED, is_patched
+from lce_patch.models import UNSUPPORTED, is_patched, unsupported_architectures
 from lce_patch.models.lookups import is_registered
 
 from .tiny import assert_trains_equal
@@ -56,7 +57,7 @@ def _classified(model: torch.nn.Module, model_type: str) -> str:
     # LlamaForCausalLM) is that class's model: accepted by default, and held to every comparison.
     if model_type in lce_patch.supported_architectures() or is_registered(model):
         return "registered"
-    return "unsupported" if model_type in UNSUPPORTED else "unclassified"
+    return "unsupported" if model_type in unsupported_architectures() else "unclassified"
 
 
 def _patch(model: torch.nn.Module, model_type: str) -> bool:
@@ -167,3 +168,26 @@ def test_docs_list_the_registry():
     start, end = "<!-- architectures:start -->\n", "<!-- architectures:end -->"
     block = page[page.index(start) + len(start) : page.index(end)]
     assert block == architectures_markdown()
+
+
+def test_inline_losses_are_read_from_the_installed_forwards():
+    """The types refused for an inline loss are those whose forward computes one: each UNSUPPORTED type said to
+    compute its loss inline is read so from its installed forward (where it still does), and each registered type
+    the installed transformers computes inline is refused and left out of the supported list, naming the class
+    and the version."""
+    import transformers
+
+    from lce_patch.models import inline_loss_types
+    from lce_patch.models.lookups import inline_loss_of, mapped_classes
+
+    for model_type, reason in UNSUPPORTED.items():
+        if reason.startswith("computes its loss inline"):
+            classes = [cls for cls in mapped_classes(model_type) if cls.__name__.endswith("ForCausalLM")]
+            assert all(inline_loss_of(cls) for cls in classes), model_type
+    inline = inline_loss_types()
+    assert not set(inline) & set(lce_patch.supported_architectures())
+    for model_type, reason in inline.items():
+        assert f"transformers {transformers.__version__} computes its loss inline" in reason
+        assert unsupported_architectures()[model_type] == reason
+        with pytest.raises(ValueError, match="computes its loss inline"):
+            lce_patch.apply_fused_lce(model_type)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import importlib
+import inspect
 import math
 from typing import Any
 
@@ -145,14 +146,30 @@ _FIXED: dict[str, Any] = {
 }
 
 
+def _field_names(config: PretrainedConfig) -> list[str]:
+    """A config class's fields: its dataclass fields (transformers >= 5.4), else the keyword parameters of its
+    ``__init__`` and its bases' up to PretrainedConfig (the fields of the older, non-dataclass configs)."""
+    if dataclasses.is_dataclass(config):
+        return [field.name for field in dataclasses.fields(config)]
+    kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    names: list[str] = []
+    for cls in type(config).__mro__:
+        if cls is PretrainedConfig or not issubclass(cls, PretrainedConfig):
+            break
+        if "__init__" in vars(cls):
+            parameters = inspect.signature(vars(cls)["__init__"]).parameters.values()
+            names += [p.name for p in parameters if p.kind in kinds and p.name != "self"]
+    return list(dict.fromkeys(names))
+
+
 def _fields(config: PretrainedConfig) -> dict[str, Any]:
-    """Dataclass fields of a config, read without the per-layer (heterogeneous) attribute checks."""
+    """The fields of a config with their values, read without the per-layer (heterogeneous) attribute checks."""
     values, aliases = vars(config), type(config).attribute_map
     out = {}
-    for field in dataclasses.fields(config):
-        key = aliases.get(field.name, field.name)  # a field stored under its alias
-        if key in values or field.name in values:
-            out[field.name] = values.get(key, values.get(field.name))
+    for name in _field_names(config):
+        key = aliases.get(name, name)  # a field stored under its alias
+        if key in values or name in values:
+            out[name] = values.get(key, values.get(name))
     return out
 
 

@@ -4,10 +4,16 @@ Detection is by feature, not by version: a serving module finds TRL's class amon
 name, and compares the code of each method whose work it replicates (the global and attribute names it uses, its
 parameters) with TRL 1.16's. Code that differs raises :class:`TRLProtocolError`, naming the TRL version and what
 changed; a subclass that overrides such a method keeps TRL's path, with a warning.
+
+TRL's fused-LM-head protocol (TRL >= 1.15) is found the same way, by feature (:func:`has_fused_lm_head`): on an older
+TRL, SFT, DPO, KTO, GRPO and RLOO have no head for lce_patch to serve and read the model's full logits themselves, so
+the serving table routes them to TRL's own path (``unserved``), with the warning of :func:`no_fused_head_warning`.
 """
 
 from __future__ import annotations
 
+import functools
+import importlib
 import inspect
 import warnings
 from typing import Any, NoReturn
@@ -15,7 +21,15 @@ from typing import Any, NoReturn
 from ..serving import base_class
 from ..shared import code_names, function
 
-__all__ = ["TRLProtocolError", "check_names", "served_base", "trainer_protocol_error", "trl_version"]
+__all__ = [
+    "TRLProtocolError",
+    "check_names",
+    "has_fused_lm_head",
+    "no_fused_head_warning",
+    "served_base",
+    "trainer_protocol_error",
+    "trl_version",
+]
 
 
 class TRLProtocolError(RuntimeError):
@@ -36,6 +50,27 @@ def trl_version() -> str:
             return str(getattr(trl, "__version__", "unknown"))
         except Exception:  # noqa: BLE001
             return "unknown"
+
+
+@functools.cache
+def has_fused_lm_head() -> bool:
+    """Whether the installed TRL has its fused-LM-head protocol: ``trl.trainer.utils.add_fused_lm_head``, through
+    which SFT, DPO, KTO, GRPO and RLOO (TRL >= 1.15) put their own LM head on the model, the head lce_patch serves."""
+    try:
+        utils = importlib.import_module("trl.trainer.utils")
+    except ImportError:
+        return False
+    return callable(getattr(utils, "add_fused_lm_head", None))
+
+
+def no_fused_head_warning(trainer_name: str) -> str:
+    """The warning for TRL's ``trainer_name`` on a TRL without the fused-LM-head protocol (TRL < 1.15)."""
+    return (
+        f"lce_patch: TRL {trl_version()} has no fused LM head (TRL >= 1.15 installs one on the model, which lce_patch "
+        f"serves), and its {trainer_name} reads the model's full logits: it trains on TRL's own unfused path, "
+        "building the [tokens x vocabulary] logits, and FusedLCECallback leaves its model unpatched. The "
+        f"transformers Trainer is fused on any TRL; upgrade TRL to 1.15 or later to train {trainer_name} fused."
+    )
 
 
 def trainer_protocol_error(trainer_name: str, what: str) -> NoReturn:
