@@ -23,9 +23,12 @@ MIN_DEFAULT_CHUNK_ROWS = 1024
 # (H100 and H200, 132 SMs: 1792 for D = 2304; 1152 for D = 3584; 1024 for D = 4096), also when N rows
 # would split into more even chunks of fewer rows; above LARGE_CHUNK_ROWS rounded down to a multiple of
 # 256 rows, so that the rounding below does not take it past the wave. A hidden size that is not a
-# multiple of 256 needs a whole tile for its last columns: D = 896 (Qwen2.5-0.5B) gets 4096 rows, not the
-# 4864 of (SMs x 128 x 256) / D rounded up (on the H200, 16384 tokens: 23.8 vs 24.1 ms, 1476 vs 1698 MiB),
-# and D = 1152 (Gemma-3-1B) 3328, not 3840 (NOTES v23).
+# multiple of 256 counts a whole tile for its last columns: D = 896 (Qwen2.5-0.5B) gets 4096 rows, not the
+# 4864 that (SMs x 128 x 256) / D gave once rounded up to 256 rows, D = 1024 4096 (not 4352) and D = 1152
+# (Gemma-3-1B) 3328 (not 3840). The tile is a proxy (cuBLAS ran these dh GEMMs in 192 x 192 tiles on the
+# H200); the sizes stand on measurement: at 16384 tokens, 4 alternating rounds, 23.0 vs 23.7 ms and 1476 vs
+# 1698 MiB (D = 896), 25.0 vs 25.9 ms and 1517 vs 1591 MiB (D = 1024), and for D = 1152 no difference
+# outside the clock's noise (best rounds 47.7 ms both) at 2276 vs 2532 MiB (NOTES v23).
 GEMM_TILE_ROWS = 128
 GEMM_TILE_COLUMNS = 256
 # Chunk sizes are multiples of 128 rows (cuBLAS's tile height): 1008-row chunks ran 2-3% slower than
