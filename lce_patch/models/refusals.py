@@ -147,6 +147,8 @@ def refusal(target: Any, reason: str | None = None, self_checked: bool = False) 
     message += f": {reason}." if reason else "."
     if model_type not in REGISTRY:
         message += f" {_supported()}"
+    elif not is_lm_class(target):  # e.g. BertForMaskedLM: the registered 'bert' is its causal LM
+        message += f" The {model_type!r} entry is its causal language model: {_lm_class_hint(model_type)}."
     if not self_checked and _self_check_applies(target):
         message += f" {_ALLOW_UNREGISTERED_HINT}"
     return ValueError(message)

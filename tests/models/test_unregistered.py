@@ -189,3 +189,19 @@ def test_a_refused_type_and_a_hidden_head_get_no_allow_unregistered_hint():
         with pytest.raises(ValueError, match=message) as info:
             lce_patch.apply_fused_lce(model)
         assert "allow_unregistered" not in str(info.value)
+
+
+def test_a_registered_types_other_head_is_pointed_to_its_causal_lm():
+    # 'bert' is registered (BertLMHeadModel); BertForMaskedLM computes its loss inline: refused, pointing to the
+    # causal-LM class, without hints that cannot work (allow_unregistered, reverting a model never patched)
+    from transformers import AutoModelForMaskedLM
+
+    config = AutoConfig.for_model(
+        "bert", vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32
+    )
+    model = AutoModelForMaskedLM.from_config(config)
+    for options in ({}, {"allow_unregistered": True}):
+        with pytest.raises(ValueError, match="load it with BertLMHeadModel") as refused:
+            lce_patch.apply_fused_lce(model, **options)
+        assert "allow_unregistered" not in str(refused.value) and "revert" not in str(refused.value)
+    assert not lce_patch.is_patched(model)
