@@ -1,5 +1,5 @@
 """Smoke test of benchmarks/bench_tp_head_host.py: CPU processes over gloo, tiny shapes, fp32 (its --help is in
-test_scripts.py)."""
+tests/test_script_help.py)."""
 
 from __future__ import annotations
 

@@ -13,13 +13,6 @@ import pytest
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
 
-def test_help():
-    result = subprocess.run(
-        [sys.executable, "bench_vocab_parallel.py", "--help"], cwd=BENCHMARKS, capture_output=True, text=True
-    )
-    assert result.returncode == 0 and "usage:" in result.stdout, result.stderr[-2000:]
-
-
 @pytest.mark.slow
 def test_runs_on_two_cpu_processes(tmp_path):
     from tests.multiprocess import torchrun_args

@@ -25,13 +25,6 @@ def _run(args: list[str], tmp_path: Path, timeout: int = 600, env_extra: dict[st
     return subprocess.run([sys.executable, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
 
 
-@pytest.mark.parametrize("script", ["benchmarks/checks/cp_check.py", "benchmarks/long_context.py"])
-def test_help(script, tmp_path):
-    result = _run([script, "--help"], tmp_path, timeout=120)
-    assert result.returncode == 0, result.stderr[-2000:]
-    assert "usage:" in result.stdout
-
-
 @pytest.mark.slow
 @pytest.mark.skipif(
     not (DEEPSPEED_SITE / "deepspeed").is_dir(),

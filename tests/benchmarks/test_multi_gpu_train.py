@@ -54,14 +54,6 @@ def _close(a: list[float], b: list[float], rtol: float = 1e-4) -> bool:
     return len(a) == len(b) and all(abs(x - y) <= rtol * abs(y) for x, y in zip(a, b))
 
 
-def test_help():
-    result = subprocess.run(
-        [sys.executable, str(SCRIPT), "--help"], cwd=REPO, capture_output=True, text=True, timeout=120
-    )
-    assert result.returncode == 0, result.stderr[-2000:]
-    assert "usage:" in result.stdout and "--max-batch" in result.stdout
-
-
 def test_options():
     module = _load()
     args = module.parse_args(["--methods", "all", "--cpu"])

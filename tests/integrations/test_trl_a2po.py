@@ -20,8 +20,18 @@ from lce_patch import FusedLCECallback  # noqa: E402
 from lce_patch.integrations import serving  # noqa: E402
 from lce_patch.integrations.trl import TRLProtocolError  # noqa: E402
 from lce_patch.integrations.trl import a2po as trl_a2po  # noqa: E402
-from tests.integrations.test_trl_preference import _STEPS, _logs, _lora, _model, _words, assert_same_logs  # noqa: E402
-from tests.integrations.trl_helpers import VOCAB, compared_run, make_tokenizer, record_calls  # noqa: E402
+from tests.integrations.trl_helpers import (  # noqa: E402
+    COMPARED_STEPS,
+    VOCAB,
+    assert_same_logs,
+    compared_run,
+    loss_logs,
+    make_tokenizer,
+    preference_lora,
+    preference_model,
+    record_calls,
+    words,
+)
 
 
 def _reward(completions, **kwargs):
@@ -32,23 +42,23 @@ def _reward(completions, **kwargs):
 def _prompts(n=8):
     g = torch.Generator().manual_seed(0)
     return datasets.Dataset.from_list(
-        [{"prompt": _words(torch.randint(4, VOCAB - 4, (3 + i % 3,), generator=g).tolist())} for i in range(n)]
+        [{"prompt": words(torch.randint(4, VOCAB - 4, (3 + i % 3,), generator=g).tolist())} for i in range(n)]
     )
 
 
 def make_trainer(tmp_path, callbacks=(), kind="llama", peft=False, **config):
     tokenizer = make_tokenizer()
     tokenizer.padding_side = "left"
-    model = _model(kind)
+    model = preference_model(kind)
     if peft:
         from peft import get_peft_model
 
         torch.manual_seed(2)
-        model = get_peft_model(model, _lora())
+        model = get_peft_model(model, preference_lora())
     args = a2po.A2POConfig(
         **compared_run(
             tmp_path,
-            max_steps=_STEPS,
+            max_steps=COMPARED_STEPS,
             per_device_train_batch_size=2,
             gradient_accumulation_steps=2,
             max_prompt_length=16,
@@ -83,12 +93,12 @@ def test_a2po_metrics_equal_trl(tmp_path, op_calls, kind, peft):
     assert "_get_sequence_logps" in vars(ours)
     ours.train()
     # per micro-batch: the reference's log-probabilities in _prepare_inputs, then the policy's in compute_loss
-    assert len(op_calls) == 2 * 2 * _STEPS
+    assert len(op_calls) == 2 * 2 * COMPARED_STEPS
     if kind == "gemma2":
         assert op_calls[0]["softcap"] == ours.model.config.final_logit_softcapping
-    logs = _logs(ours)
+    logs = loss_logs(ours)
     assert {"implicit_reward", "advantage", "reward", "v_star"} <= set(logs[0])
-    assert_same_logs(_logs(theirs), logs)
+    assert_same_logs(loss_logs(theirs), logs)
     assert logs[0]["implicit_reward"] != 0.0 or logs[-1]["implicit_reward"] != 0.0  # the log-probabilities mattered
 
 

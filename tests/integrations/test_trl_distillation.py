@@ -13,35 +13,13 @@ trl = pytest.importorskip("trl")
 datasets = pytest.importorskip("datasets")
 distillation = pytest.importorskip("trl.trainer.distillation_trainer")
 
-from transformers import AutoModelForCausalLM, Gemma2Config, LlamaConfig  # noqa: E402
 
 from lce_patch import FusedLCECallback  # noqa: E402
 from lce_patch.integrations.serving import SERVED  # noqa: E402
 from lce_patch.integrations.trl import distillation as trl_distillation  # noqa: E402
-from tests.integrations.trl_helpers import VOCAB, cpu_run, lora_config, make_tokenizer  # noqa: E402
+from tests.integrations.trl_helpers import VOCAB, cpu_run, distillation_model, lora_config, make_tokenizer  # noqa: E402
 
 METRICS = ("loss", "grad_norm", "entropy")
-
-
-def _model(kind: str, hidden: int, seed: int):
-    torch.manual_seed(seed)
-    common = dict(
-        vocab_size=VOCAB,
-        hidden_size=hidden,
-        intermediate_size=2 * hidden,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        eos_token_id=1,
-        pad_token_id=0,
-        bos_token_id=2,
-    )
-    if kind == "gemma2":
-        config = Gemma2Config(head_dim=8, final_logit_softcapping=3.0, sliding_window=16, **common)
-    else:
-        config = LlamaConfig(tie_word_embeddings=False, **common)
-    return AutoModelForCausalLM.from_config(config)
 
 
 @pytest.fixture(scope="module")
@@ -66,8 +44,8 @@ def _train(tokenizer, callbacks, student_kind="llama", beta=0.5, tmp_path=None, 
     )
     peft_config = lora_config() if peft else None
     trainer = trl.DistillationTrainer(
-        model=_model(student_kind, 32, 0),
-        teacher_model=_model(student_kind, 48, 1),  # a wider teacher
+        model=distillation_model(student_kind, 32, 0),
+        teacher_model=distillation_model(student_kind, 48, 1),  # a wider teacher
         args=args,
         train_dataset=prompts,
         processing_class=tokenizer,

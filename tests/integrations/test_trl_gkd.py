@@ -10,8 +10,7 @@ gkd = pytest.importorskip("trl.experimental.gkd")
 
 from lce_patch import FusedLCECallback  # noqa: E402
 from lce_patch.integrations.trl import gkd as trl_gkd  # noqa: E402
-from tests.integrations.test_trl_distillation import _model  # noqa: E402
-from tests.integrations.trl_helpers import cpu_run, lora_config, make_tokenizer, record_calls  # noqa: E402
+from tests.integrations.trl_helpers import cpu_run, distillation_model, lora_config, make_tokenizer, record_calls  # noqa: E402
 
 METRICS = ("loss", "grad_norm")
 CHAT_TEMPLATE = "{% for message in messages %}{{ message['content'] }} {% endfor %}"
@@ -50,8 +49,8 @@ def _train(tokenizer, callbacks, tmp_path, student_kind="llama", beta=0.5, peft=
     trainer = gkd.GKDTrainer(
         # float64: the divergence of two random models is small (~4e-3 nats), a difference of log-probabilities of
         # size ~4, so fp32 rounding alone moves it by ~1e-4 relative; in float64 both losses agree to 1e-9
-        model=_model(student_kind, 32, 0).double(),
-        teacher_model=_model(student_kind, 48, 1).double(),  # a wider teacher
+        model=distillation_model(student_kind, 32, 0).double(),
+        teacher_model=distillation_model(student_kind, 48, 1).double(),  # a wider teacher
         args=args,
         # Gemma-2's eager attention gives NaN logits in float64 with left padding (with or without lce_patch)
         train_dataset=_dataset(uneven=student_kind != "gemma2"),
@@ -104,8 +103,8 @@ def test_a_subclass_with_its_own_loss_is_left_alone(tokenizer, tmp_path):
     args = gkd.GKDConfig(**cpu_run(tmp_path, max_steps=1))
     with pytest.warns(UserWarning, match="overrides GKDTrainer's compute_loss"):
         trainer = CustomGKD(
-            model=_model("llama", 32, 0),
-            teacher_model=_model("llama", 48, 1),
+            model=distillation_model("llama", 32, 0),
+            teacher_model=distillation_model("llama", 48, 1),
             args=args,
             train_dataset=_dataset(),
             processing_class=tokenizer,

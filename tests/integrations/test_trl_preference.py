@@ -29,22 +29,18 @@ from lce_patch.integrations import serving  # noqa: E402
 from lce_patch.integrations.trl import TRLProtocolError, unserved  # noqa: E402
 from lce_patch.integrations.trl import preference as trl_preference  # noqa: E402
 from tests.integrations.trl_helpers import (  # noqa: E402
+    COMPARED_STEPS,
     VOCAB,
+    assert_same_logs,
     compared_run,
     cpu_run,
-    lora_config,
-    make_model,
+    loss_logs,
     make_tokenizer,
+    preference_lora,
+    preference_model,
     record_calls,
+    words,
 )
-
-_TIMING_KEYS = ("runtime", "samples_per_second", "steps_per_second", "model_preparation_time")
-_STEPS = 2
-RTOL, ATOL = 1e-5, 1e-6
-
-
-def _words(ids) -> str:
-    return " ".join(f"w{i}" for i in ids)
 
 
 def _dataset(n=8, gold=False):
@@ -54,39 +50,27 @@ def _dataset(n=8, gold=False):
     for i in range(n):
         prompt = torch.randint(4, VOCAB - 4, (3 + i % 3,), generator=g).tolist()
         rejected = torch.randint(4, VOCAB - 4, (2 + i % 4,), generator=g).tolist()
-        row = {"prompt": _words(prompt), "chosen": _words([prompt[-1]] * (3 + i % 2)), "rejected": _words(rejected)}
+        row = {"prompt": words(prompt), "chosen": words([prompt[-1]] * (3 + i % 2)), "rejected": words(rejected)}
         if gold:
-            row["reference"] = _words([prompt[0]] * 3)  # TPO's gold completion
+            row["reference"] = words([prompt[0]] * 3)  # TPO's gold completion
         rows.append(row)
     return datasets.Dataset.from_list(rows)
-
-
-def _model(kind: str) -> torch.nn.Module:
-    model = make_model(kind)
-    with torch.no_grad():  # logits of a few units, so that the softcap and the mean-logit metrics matter
-        model.get_output_embeddings().weight.normal_(std=0.5, generator=torch.Generator().manual_seed(1))
-    return model
 
 
 def _reward(completions, **kwargs):
     return [completion.split().count("w5") + 0.1 * len(completion.split()) for completion in completions]
 
 
-def _lora(head: bool = False):
-    targets = ["q_proj", "v_proj"] + (["lm_head"] if head else [])
-    return lora_config(target_modules=targets, task_type="CAUSAL_LM")
-
-
 def make_trainer(name, tmp_path, callbacks=(), kind="llama", peft_config=None, eval_dataset=None, **config):
     common = compared_run(
-        tmp_path, max_steps=_STEPS, per_device_train_batch_size=2, gradient_accumulation_steps=2, max_length=32
+        tmp_path, max_steps=COMPARED_STEPS, per_device_train_batch_size=2, gradient_accumulation_steps=2, max_length=32
     )
     if peft_config is not None:
         torch.manual_seed(2)  # LoRA init
     if name == "tpo":
         common.pop("max_length")
         return tpo.TPOTrainer(
-            model=_model(kind),
+            model=preference_model(kind),
             args=tpo.TPOConfig(**common, **config),
             train_dataset=_dataset(gold=True),
             processing_class=make_tokenizer(),
@@ -95,8 +79,8 @@ def make_trainer(name, tmp_path, callbacks=(), kind="llama", peft_config=None, e
         )
     if name == "online_dpo":
         return online_dpo.OnlineDPOTrainer(
-            model=_model(kind),
-            ref_model=None if peft_config is not None else _model(kind),
+            model=preference_model(kind),
+            ref_model=None if peft_config is not None else preference_model(kind),
             reward_funcs=_reward,
             args=online_dpo.OnlineDPOConfig(**common, max_new_tokens=6, **config),
             train_dataset=_dataset().select_columns(["prompt"]),
@@ -108,7 +92,7 @@ def make_trainer(name, tmp_path, callbacks=(), kind="llama", peft_config=None, e
         name
     ]
     return trainer_class(
-        model=_model(kind),
+        model=preference_model(kind),
         args=config_class(**common, **config),
         train_dataset=_dataset(),
         eval_dataset=eval_dataset,
@@ -121,18 +105,6 @@ def make_trainer(name, tmp_path, callbacks=(), kind="llama", peft_config=None, e
 @pytest.fixture
 def op_calls(monkeypatch):
     return record_calls(monkeypatch, "fused_linear_log_probs", lce_ops)
-
-
-def _logs(trainer):
-    return [entry for entry in trainer.state.log_history if "loss" in entry or "eval_loss" in entry]
-
-
-def assert_same_logs(theirs, ours):
-    assert len(theirs) == len(ours) > 0
-    for a, b in zip(theirs, ours, strict=True):
-        assert a.keys() == b.keys()
-        for key in (key for key in a if not key.endswith(_TIMING_KEYS)):
-            assert b[key] == pytest.approx(a[key], rel=RTOL, abs=ATOL), (key, a[key], b[key])
 
 
 CASES = {
@@ -159,19 +131,21 @@ PARAMS = [(case, None) for case in CASES] + [
 @pytest.mark.parametrize("case, peft", PARAMS, ids=[f"{case}-{peft or 'full'}" for case, peft in PARAMS])
 def test_logged_metrics_equal_trl(tmp_path, op_calls, case, peft):
     name, kind, config = CASES[case]
-    peft_config = None if peft is None else _lora(head=peft == "lora-head")
+    peft_config = None if peft is None else preference_lora(head=peft == "lora-head")
     theirs = make_trainer(name, tmp_path / "trl", kind=kind, peft_config=peft_config, **config)
     theirs.train()
     assert not op_calls
     ours = make_trainer(name, tmp_path / "ours", [FusedLCECallback()], kind, peft_config, **config)
     ours.train()
-    assert len(op_calls) == 2 * _STEPS  # one per micro-batch: the log-probs, the NLL and the mean logits at once
+    assert (
+        len(op_calls) == 2 * COMPARED_STEPS
+    )  # one per micro-batch: the log-probs, the NLL and the mean logits at once
     assert all(call["return_mean_logits"] for call in op_calls)
     if kind == "gemma2":
         assert op_calls[0]["softcap"] == ours.model.config.final_logit_softcapping
     if peft == "lora-head":
         assert all(call["low_rank_hidden"] is not None for call in op_calls)
-    assert_same_logs(_logs(theirs), _logs(ours))
+    assert_same_logs(loss_logs(theirs), loss_logs(ours))
     if kind == "mixtral":
         assert ours.aux_loss_enabled
 
@@ -194,15 +168,15 @@ def test_tpo_and_online_dpo_metrics_equal_trl(tmp_path, op_calls, case, peft):
     micro-batch. Online DPO: the policy's and the reference's log-probabilities of the sampled completions (the
     reference is a separate model, or the policy with its adapters disabled under LoRA)."""
     name, config = ONLINE_CASES[case]
-    peft_config = _lora() if peft else None
+    peft_config = preference_lora() if peft else None
     theirs = make_trainer(name, tmp_path / "trl", peft_config=peft_config, **config)
     theirs.train()
     assert not op_calls
     ours = make_trainer(name, tmp_path / "ours", [FusedLCECallback()], peft_config=peft_config, **config)
     ours.train()
     per_micro_batch = 1 if name == "tpo" else 2  # Online DPO: the policy, then the reference
-    assert len(op_calls) == per_micro_batch * 2 * _STEPS
-    assert_same_logs(_logs(theirs), _logs(ours))
+    assert len(op_calls) == per_micro_batch * 2 * COMPARED_STEPS
+    assert_same_logs(loss_logs(theirs), loss_logs(ours))
 
 
 def test_evaluation_metrics_equal_trl(tmp_path, op_calls):
@@ -270,7 +244,7 @@ def test_a_subclass_with_its_own_forward_is_left_to_trl(tmp_path):
     args = orpo.ORPOConfig(**cpu_run(tmp_path, bf16=False, max_steps=1))
     with pytest.warns(UserWarning, match="overrides ORPOTrainer's concatenated_forward"):
         trainer = CustomORPO(
-            model=_model("llama"),
+            model=preference_model("llama"),
             args=args,
             train_dataset=_dataset(),
             processing_class=make_tokenizer(),

@@ -31,8 +31,7 @@ from lce_patch.integrations.serving import SERVED  # noqa: E402
 from lce_patch.integrations.trl import TRLProtocolError  # noqa: E402
 from lce_patch.integrations.trl import async_distillation as async_serving  # noqa: E402
 from lce_patch.integrations.trl import server_distillation as server_serving  # noqa: E402
-from tests.integrations.test_trl_distillation import _model  # noqa: E402
-from tests.integrations.trl_helpers import VOCAB, cpu_run, lora_config, make_tokenizer, record_calls  # noqa: E402
+from tests.integrations.trl_helpers import VOCAB, cpu_run, distillation_model, lora_config, make_tokenizer, record_calls  # noqa: E402
 
 warnings.filterwarnings("ignore", message=".*trl.experimental.*")
 
@@ -81,7 +80,7 @@ class _TeacherClient:
 
 
 def _train_server(tokenizer, monkeypatch, tmp_path, callbacks, kind="llama", peft=False, **config):
-    _TeacherClient.teacher = _model(kind, 48, 1).eval()  # a wider teacher
+    _TeacherClient.teacher = distillation_model(kind, 48, 1).eval()  # a wider teacher
     monkeypatch.setattr("trl.generation.vllm_client.VLLMClient", _TeacherClient)
     prompts = datasets.Dataset.from_list(
         [{"prompt": " ".join(f"w{4 + (i * 7 + j) % 50}" for j in range(6))} for i in range(8)]
@@ -100,7 +99,7 @@ def _train_server(tokenizer, monkeypatch, tmp_path, callbacks, kind="llama", pef
     )
     peft_config = lora_config() if peft else None
     trainer = server_module.ServerDistillationTrainer(
-        model=_model(kind, 32, 0),
+        model=distillation_model(kind, 32, 0),
         args=args,
         train_dataset=prompts,
         processing_class=tokenizer,
@@ -161,7 +160,7 @@ def test_server_distillation_logs_equal_trl(tokenizer, monkeypatch, op_calls, tm
 
 def _async_trainer(tokenizer, tmp_path, callbacks, kind="llama", teachers=("t",), peft=False, **config):
     path = tmp_path / "student"
-    _model(kind, 32, 0).save_pretrained(path)
+    distillation_model(kind, 32, 0).save_pretrained(path)
     tokenizer.save_pretrained(path)
     args = async_module.AsyncDistillationConfig(
         **cpu_run(

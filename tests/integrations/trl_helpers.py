@@ -1,6 +1,7 @@
 """Shared pieces of the TRL integration tests: tiny models, a word-level tokenizer built offline, the training
 arguments every CPU run shares (and those of runs compared with each other), a LoRA config, spies on lce_patch's op
-and on TRL's chunked kernel, a recorder of the served op's calls."""
+and on TRL's chunked kernel, a recorder of the served op's calls; the preference trainers' models and the comparison
+of their logs, the distillation trainers' students and teachers."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import types
 from contextlib import contextmanager
 from unittest import mock
 
+import pytest
 import torch
 from trl.kernels.chunked_logprob import ChunkedLogProbFunction
 
@@ -125,3 +127,62 @@ def lce_callback():
     from lce_patch import FusedLCECallback
 
     return FusedLCECallback()
+
+
+# The preference trainers' compared runs (ORPO, CPO, TPO, Online DPO, A2PO)
+COMPARED_STEPS = 2
+_TIMING_KEYS = ("runtime", "samples_per_second", "steps_per_second", "model_preparation_time")
+RTOL, ATOL = 1e-5, 1e-6  # see test_trl_preference.py
+
+
+def words(ids) -> str:
+    return " ".join(f"w{i}" for i in ids)
+
+
+def preference_model(kind: str) -> torch.nn.Module:
+    model = make_model(kind)
+    with torch.no_grad():  # logits of a few units, so that the softcap and the mean-logit metrics matter
+        model.get_output_embeddings().weight.normal_(std=0.5, generator=torch.Generator().manual_seed(1))
+    return model
+
+
+def preference_lora(head: bool = False):
+    targets = ["q_proj", "v_proj"] + (["lm_head"] if head else [])
+    return lora_config(target_modules=targets, task_type="CAUSAL_LM")
+
+
+def loss_logs(trainer):
+    return [entry for entry in trainer.state.log_history if "loss" in entry or "eval_loss" in entry]
+
+
+def assert_same_logs(theirs, ours):
+    assert len(theirs) == len(ours) > 0
+    for a, b in zip(theirs, ours, strict=True):
+        assert a.keys() == b.keys()
+        for key in (key for key in a if not key.endswith(_TIMING_KEYS)):
+            assert b[key] == pytest.approx(a[key], rel=RTOL, abs=ATOL), (key, a[key], b[key])
+
+
+def distillation_model(kind: str, hidden: int, seed: int):
+    """A two-layer Llama (untied head) or Gemma-2 (softcapped) of ``hidden`` size: the distillation tests' student and
+    teacher."""
+    from transformers import AutoModelForCausalLM, Gemma2Config, LlamaConfig
+
+    torch.manual_seed(seed)
+    common = dict(
+        vocab_size=VOCAB,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        eos_token_id=1,
+        pad_token_id=0,
+        bos_token_id=2,
+    )
+    if kind == "gemma2":
+        config = Gemma2Config(head_dim=8, final_logit_softcapping=3.0, sliding_window=16, **common)
+    else:
+        config = LlamaConfig(tie_word_embeddings=False, **common)
+    return AutoModelForCausalLM.from_config(config)

@@ -25,7 +25,7 @@ import lce_patch
 import lce_patch.models.forward as lce_forward
 from tests.models.tiny import tiny_model
 from tests.multiprocess import run_ranks
-from tests.ops.test_linear_cross_entropy import rel_err
+from tests.ops.helpers import rel_err
 
 DistributedConfig = getattr(transformers, "DistributedConfig", None)
 pytestmark = [

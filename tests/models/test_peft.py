@@ -10,8 +10,7 @@ import torch
 import lce_patch
 from lce_patch.models import is_patched, unwrap_causal_lm
 
-from .test_patching import _batch
-from .tiny import assert_close, assert_grads_match, tiny_model
+from .tiny import assert_close, assert_grads_match, make_batch, tiny_model
 
 peft = pytest.importorskip("peft")
 
@@ -34,7 +33,7 @@ def _train_step(model, batch):
 
 @pytest.mark.parametrize("patch_first", [False, True])
 def test_lora_matches_unpatched(patch_first):
-    batch = _batch("ignored_labels", torch.Generator().manual_seed(20))
+    batch = make_batch("ignored_labels", torch.Generator().manual_seed(20))
     if patch_first:  # patch the plain model, then wrap it with PEFT
         base = tiny_model("qwen3")
         torch.manual_seed(0)  # the same random LoRA weights for both
@@ -60,7 +59,7 @@ def test_modules_to_save_lm_head_trains_the_copy():
     model = _peft_model("llama", target_modules=["q_proj"], modules_to_save=["lm_head"])
     reference = copy.deepcopy(model)
     lce_patch.apply_fused_lce(model)
-    batch = _batch("ignored_labels", torch.Generator().manual_seed(21))
+    batch = make_batch("ignored_labels", torch.Generator().manual_seed(21))
     out, ref = _train_step(model, batch), _train_step(reference, batch)
     assert out.logits is None
     assert_close(out.loss, ref.loss)
@@ -111,7 +110,7 @@ def _head_lora_grads(model):
 )
 def test_lora_on_the_lm_head_matches_unpatched(model_type, lora):
     model, reference = _lora_head_pair(model_type, **lora)
-    batch = _batch("ignored_labels", torch.Generator().manual_seed(22))
+    batch = make_batch("ignored_labels", torch.Generator().manual_seed(22))
     out, ref = _seeded_step(model, batch), _seeded_step(reference, batch)
     assert out.logits is None
     assert_close(out.loss, ref.loss)
@@ -131,7 +130,7 @@ def test_lora_on_the_lm_head_matches_unpatched(model_type, lora):
 
 def test_lora_on_the_lm_head_merged_disabled_and_two_adapters():
     model, reference = _lora_head_pair("llama")
-    batch = _batch("ignored_labels", torch.Generator().manual_seed(23))
+    batch = make_batch("ignored_labels", torch.Generator().manual_seed(23))
     for m in (model, reference):
         torch.manual_seed(3)  # the same random weights for both
         m.add_adapter("second", _lora_config(target_modules=["lm_head"], r=2))
@@ -168,7 +167,7 @@ def test_lora_put_on_the_head_after_patching():
     model = peft.get_peft_model(base, config)
     torch.manual_seed(1)
     reference = peft.get_peft_model(reference, config)
-    batch = _batch("ignored_labels", torch.Generator().manual_seed(24))
+    batch = make_batch("ignored_labels", torch.Generator().manual_seed(24))
     out, ref = _seeded_step(model, batch), _seeded_step(reference, batch)
     assert out.logits is None
     assert_close(out.loss, ref.loss)
@@ -189,7 +188,7 @@ def test_adapters_the_fused_head_cannot_compute_are_refused(lora, message):
     base = lce_patch.apply_fused_lce(tiny_model("llama"))
     model = peft.get_peft_model(base, _lora_config(target_modules=["lm_head"], **lora))
     with pytest.raises(NotImplementedError, match=message):
-        _train_step(model, _batch("ignored_labels", torch.Generator().manual_seed(22)))
+        _train_step(model, make_batch("ignored_labels", torch.Generator().manual_seed(22)))
 
 
 def test_other_tuners_on_the_head_are_refused():

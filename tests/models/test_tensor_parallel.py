@@ -18,7 +18,7 @@ import lce_patch
 from lce_patch.ops.linear_cross_entropy import vocab_parallel
 from tests.models.tiny import tiny_model
 from tests.multiprocess import run_ranks
-from tests.ops.test_linear_cross_entropy import rel_err
+from tests.ops.helpers import rel_err
 
 pytestmark = pytest.mark.slow  # launched process groups
 

@@ -11,8 +11,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, LlamaForCausalLM
 import lce_patch
 from lce_patch.models import is_patched
 
-from .test_patching import _batch
-from .tiny import assert_trains_equal, tiny_model
+from .tiny import assert_trains_equal, make_batch, tiny_model
 
 UNREGISTERED = {
     "olmo2": dict(num_attention_heads=4, num_key_value_heads=2, intermediate_size=64),
@@ -47,7 +46,7 @@ def test_unregistered_model_after_self_check(model_type, monkeypatch):
         lce_patch.apply_fused_lce(model)
     assert not is_patched(model)
     lce_patch.apply_fused_lce(model, allow_unregistered=True)
-    assert_trains_equal(model, reference, _batch("ignored_labels", torch.Generator().manual_seed(30)))
+    assert_trains_equal(model, reference, make_batch("ignored_labels", torch.Generator().manual_seed(30)))
 
 
 class _Passthrough(LlamaForCausalLM):
@@ -107,14 +106,14 @@ def test_subclass_overriding_forward_needs_the_self_check():
         lce_patch.apply_fused_lce(model)
     lce_patch.apply_fused_lce(model, allow_unregistered=True)
     model.train()
-    assert model(**_batch("ignored_labels", torch.Generator().manual_seed(31))).logits is None
+    assert model(**make_batch("ignored_labels", torch.Generator().manual_seed(31))).logits is None
 
 
 def test_subclass_changing_the_loss_after_the_forward_trains_equal():
     model = _subclass_instance(_ScaledLoss)
     reference = copy.deepcopy(model)
     lce_patch.apply_fused_lce(model, allow_unregistered=True)
-    assert_trains_equal(model, reference, _batch("ignored_labels", torch.Generator().manual_seed(32)))
+    assert_trains_equal(model, reference, make_batch("ignored_labels", torch.Generator().manual_seed(32)))
 
 
 @pytest.mark.parametrize(

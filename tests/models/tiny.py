@@ -102,3 +102,31 @@ def assert_trains_equal(model, reference, batch, grad_rel=1e-5):
     ref.loss.backward()
     out.loss.backward()
     assert_grads_match(model, reference, rel=grad_rel)
+
+
+def make_batch(case: str, generator: torch.Generator) -> dict:
+    """A batch of tiny token ids with labels, shaped as ``case`` says a trainer or framework passes it (see
+    test_patching.py's ``CASES``)."""
+    if case == "packed":  # two documents in one row, as TRL's padding-free collator builds it
+        input_ids = torch.randint(0, VOCAB, (1, 14), generator=generator)
+        position_ids = torch.cat([torch.arange(6), torch.arange(8)]).unsqueeze(0)
+        labels = input_ids.clone()
+        labels[position_ids == 0] = -100
+        return dict(input_ids=input_ids, position_ids=position_ids, labels=labels)
+    input_ids = torch.randint(0, VOCAB, (2, 12), generator=generator)
+    attention_mask = torch.ones_like(input_ids)
+    attention_mask[1, -3:] = 0  # right padding
+    labels = input_ids.masked_fill(attention_mask == 0, -100)
+    labels[0, :4] = -100  # a prompt
+    batch = dict(input_ids=input_ids, attention_mask=attention_mask, labels=labels)
+    if case == "logits_to_keep":  # as ms-swift calls it: the last positions scored, against their own labels
+        batch["labels"] = labels[:, -5:]
+        batch["logits_to_keep"] = 5
+    if case == "num_items_in_batch":  # as Trainer passes it under gradient accumulation: a larger window's count
+        batch["num_items_in_batch"] = torch.tensor(41)
+    if case == "shift_labels":  # as context parallelism passes them: already shifted, used as given
+        shift_labels = torch.full_like(labels, -100)
+        shift_labels[:, :-1] = labels[:, 1:]
+        shift_labels[0, 6] = -100
+        batch["shift_labels"] = shift_labels
+    return batch

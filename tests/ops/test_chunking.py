@@ -10,7 +10,7 @@ import torch
 from lce_patch import fused_linear_cross_entropy
 
 from .devices import BACKENDS, device_of
-from .test_linear_cross_entropy import check_against_reference, leaf, make_inputs
+from .helpers import check_against_reference, leaf, make_inputs
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -19,9 +19,7 @@ import torch
 from lce_patch import fused_linear_cross_entropy
 
 from .devices import GPU
-from .test_linear_cross_entropy import OPTION_SETS, check_against_reference
-from .test_linear_cross_entropy_low_rank import OPTION_SETS as LOW_RANK_OPTION_SETS
-from .test_linear_cross_entropy_low_rank import check_low_rank
+from .helpers import LOW_RANK_OPTION_SETS, OPTION_SETS, check_against_reference, check_low_rank
 
 pytestmark = pytest.mark.skipif(not GPU, reason="needs a CUDA GPU and LCE_TEST_GPU=1")
 CUDA = torch.device("cuda")

@@ -17,10 +17,8 @@ from lce_patch import (
     fused_linear_sparse_divergence,
 )
 
-from . import test_linear_cross_entropy as cross_entropy
-from . import test_linear_divergence as divergence
-from . import test_linear_sparse_divergence as sparse
 from .devices import BACKENDS, device_of, on, placed
+from .helpers import cross_entropy_problem, divergence_problem, sparse_divergence_problem
 
 
 class Op(NamedTuple):
@@ -42,17 +40,17 @@ class Op(NamedTuple):
 
 DIVERGENCE_OUTPUTS = dict(beta=0.3, return_entropy=True)
 OPS = {
-    "divergence": Op(fused_linear_divergence, divergence.make_problem, DIVERGENCE_OUTPUTS),
-    "sparse_divergence": Op(fused_linear_sparse_divergence, sparse.make_problem, DIVERGENCE_OUTPUTS),
+    "divergence": Op(fused_linear_divergence, divergence_problem, DIVERGENCE_OUTPUTS),
+    "sparse_divergence": Op(fused_linear_sparse_divergence, sparse_divergence_problem, DIVERGENCE_OUTPUTS),
     "cross_entropy": Op(
         fused_linear_cross_entropy,
-        cross_entropy.make_problem,
+        cross_entropy_problem,
         dict(return_lse=True, return_token_accuracy=True, return_predicted_tokens=True),
     ),
     # per-token log-probabilities, no reduction; it shares the cross-entropy op's checks and their name
     "log_probs": Op(
         fused_linear_log_probs,
-        cross_entropy.make_problem,
+        cross_entropy_problem,
         dict(return_entropy=True, return_is_top1=True, return_mean_logits=True, return_log_sum_sq_probs=True),
         per_token={},
         named="fused_linear_cross_entropy",

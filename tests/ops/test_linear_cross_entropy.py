@@ -18,91 +18,8 @@ from lce_patch.ops.linear_cross_entropy import (
 )
 from lce_patch.ops.linear_cross_entropy.rows import _BLOCK_V_STATS as BLOCK
 
-from .devices import BACKENDS, CPU, TRITON_BF16, TRITON_DEVICE, device_of, on
-
-
-def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    actual, expected = actual.detach().double().cpu(), expected.detach().double().cpu()
-    denom = expected.norm()
-    return float((actual - expected).norm() / denom) if denom > 0 else float((actual - expected).norm())
-
-
-def make_inputs(n=37, d=19, v=101, *, batch=None, bias=False, ignore_every=5, seed=None):
-    gen = torch.Generator().manual_seed(seed if seed is not None else torch.randint(0, 2**31, ()).item())
-    shape = (batch, n) if batch else (n,)
-    hidden = torch.randn(*shape, d, generator=gen, dtype=torch.float64)
-    weight = torch.randn(v, d, generator=gen, dtype=torch.float64) / d**0.5 * 2
-    labels = torch.randint(0, v, shape, generator=gen)
-    if ignore_every:
-        labels.view(-1)[::ignore_every] = -100
-    b = torch.randn(v, generator=gen, dtype=torch.float64) if bias else None
-    return hidden, weight, labels, b
-
-
-def make_problem(seed: int, *, bias: bool = False, leading=(16,), ignore_index: int = -100) -> dict:
-    """Float64 keyword inputs of the suite of every op (test_every_op.py): hidden [*leading, 16], weight
-    [48, 16], labels shaped ``leading`` with every 4th row's ``ignore_index`` (12 of 16 valid by default), and
-    bias [48] with ``bias``."""
-    rows = int(torch.tensor(leading).prod())
-    hidden, weight, labels, b = make_inputs(rows, 16, 48, bias=bias, ignore_every=4, seed=seed)
-    labels[labels == -100] = ignore_index
-    problem = dict(hidden=hidden.reshape(*leading, -1), weight=weight, labels=labels.reshape(leading))
-    if bias:
-        problem["bias"] = b
-    return problem
-
-
-def leaf(t, dtype, requires_grad=True, device=CPU):
-    return None if t is None else t.to(device, dtype).detach().requires_grad_(requires_grad)
-
-
-def check_against_reference(
-    options, *, backend, dtype=torch.float32, tol=1e-5, bias=False, batch=None, chunk_size=8, device=None, size=None
-):
-    device = device_of(backend) if device is None else device
-    hidden, weight, labels, b = make_inputs(bias=bias, batch=batch, **(size or {}))
-    labels[labels == -100] = options.get("ignore_index", -100)
-    reduction = options.get("reduction", "mean")
-    ref_options = {k: v for k, v in options.items() if k not in ("skip_ignored", "num_valid_tokens")}
-    ref = naive_linear_cross_entropy(
-        hidden.requires_grad_(),
-        weight.requires_grad_(),
-        labels,
-        bias=b.requires_grad_() if bias else None,
-        **ref_options,
-    )
-    upstream = torch.randn_like(ref) if reduction == "none" else torch.tensor(1.7, dtype=torch.float64)
-    ref_inputs = [hidden, weight] + ([b] if bias else [])
-    ref_grads = torch.autograd.grad(ref, ref_inputs, upstream)
-
-    h, w, bb = (leaf(t, dtype, device=device) for t in (hidden, weight, b))
-    if isinstance(options.get("num_items_in_batch"), torch.Tensor):
-        options = {**options, "num_items_in_batch": options["num_items_in_batch"].to(device)}
-    out = fused_linear_cross_entropy(
-        h, w, labels.to(device), bias=bb, backend=backend, chunk_size=chunk_size, **options
-    )
-    assert out.dtype == torch.float32 and out.shape == ref.shape
-    out.backward(upstream.to(device, torch.float32))
-    assert rel_err(out, ref) < tol
-    for name, got, want in zip(("hidden", "weight", "bias"), (h, w, bb), ref_grads):
-        assert got.grad is not None and got.grad.shape == want.shape, name
-        assert got.grad.dtype == dtype, name
-        assert rel_err(got.grad, want) < tol, (name, rel_err(got.grad, want))
-
-
-OPTION_SETS = [
-    {},
-    {"reduction": "sum"},
-    {"reduction": "none"},
-    {"num_items_in_batch": 41},
-    {"softcap": 2.5},
-    {"logit_scale": 0.37},
-    {"label_smoothing": 0.1},
-    {"z_loss": 1e-2},
-    {"ignore_index": 3},
-    {"softcap": 3.0, "logit_scale": 1.7, "label_smoothing": 0.2, "z_loss": 1e-3, "reduction": "none"},
-    {"softcap": 3.0, "label_smoothing": 0.05, "z_loss": 1e-3, "num_items_in_batch": 17},
-]
+from .devices import BACKENDS, TRITON_BF16, TRITON_DEVICE, device_of, on
+from .helpers import OPTION_SETS, check_against_reference, leaf, make_inputs, record_row_factors, rel_err
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -207,21 +124,6 @@ def test_vocab_sizes_at_the_kernel_block_edges(backend, vocab_size, options):
     assert rel_err(h.grad, ref_grads[0]) < 1e-5 and rel_err(w.grad, ref_grads[1]) < 1e-5
 
 
-def _record_row_factors(monkeypatch) -> list:
-    """Whether each chunk_stats call of the op got a ``row_factor`` (the one-pass gradient)."""
-    from lce_patch.ops.linear_cross_entropy import chunked
-
-    seen = []
-    original = chunked.chunk_stats
-
-    def spy(raw, labels, transform, out, grad_scale, use_triton, target_raw=None, row_factor=None, **rest):
-        seen.append(row_factor is not None)
-        return original(raw, labels, transform, out, grad_scale, use_triton, target_raw, row_factor, **rest)
-
-    monkeypatch.setattr(chunked, "chunk_stats", spy)
-    return seen
-
-
 ONE_PASS_CASES = {
     "rows as slices": {"softcap": 2.5},
     "skip_ignored, rows gathered into dh": {"softcap": 2.5, "skip_ignored": True},
@@ -238,7 +140,7 @@ def test_one_pass_softcap_gradient_of_a_frozen_weight_matches_float64_reference(
     # scaled; the factor goes onto dh's fp32 rows. Both layouts of dh's rows (written in place, or
     # gathered into a stretch of dh and placed back) must give the reference gradient.
     options = ONE_PASS_CASES[case]
-    seen = _record_row_factors(monkeypatch)
+    seen = record_row_factors(monkeypatch)
     hidden, weight, labels, _ = make_inputs(n=29, d=13, v=71, ignore_every=4)
     labels[:3] = -100
     ref_options = {k: v for k, v in options.items() if k != "skip_ignored"}
@@ -259,7 +161,7 @@ def test_one_pass_softcap_gradient_of_a_frozen_weight_matches_float64_reference(
 def test_one_pass_gradient_of_precomputed_token_log_probs(skip_ignored, monkeypatch):
     # fused_linear_log_probs with precompute_grad (TRL's SFT path) and a frozen W, with a temperature:
     # the precomputed gradient of the mean over valid tokens comes from the one-pass kernel.
-    seen = _record_row_factors(monkeypatch)
+    seen = record_row_factors(monkeypatch)
     hidden, weight, labels, _ = make_inputs(batch=2, n=11, d=13, v=71)
     labels[:, :3] = -100
     options = {"softcap": 5.0, "temperature": 0.7, "logit_scale": 1.3}
@@ -292,7 +194,7 @@ def test_one_pass_gradient_only_where_it_applies(options, monkeypatch):
     options = dict(options)
     dtype, bias = options.pop("dtype", torch.float32), options.pop("bias", False)
     trainable = options.pop("trainable", "hidden")
-    seen = _record_row_factors(monkeypatch)
+    seen = record_row_factors(monkeypatch)
     hidden, weight, labels, b = make_inputs(bias=bias)
     h = leaf(hidden, dtype, requires_grad=trainable in ("hidden", "both"), device=TRITON_DEVICE)
     w = leaf(weight, dtype, requires_grad=trainable in ("weight", "both"), device=TRITON_DEVICE)

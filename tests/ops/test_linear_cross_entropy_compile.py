@@ -16,7 +16,7 @@ import torch
 from lce_patch import fused_linear_cross_entropy, fused_linear_log_probs
 
 from .devices import BACKENDS, CPU, device_of, on
-from .test_linear_cross_entropy import make_inputs
+from .helpers import make_inputs
 
 
 def _leaves(*tensors, dtype=torch.float32, device=CPU):

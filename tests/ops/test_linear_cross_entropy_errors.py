@@ -11,7 +11,7 @@ import torch
 from lce_patch import fused_linear_cross_entropy, fused_linear_log_probs
 
 from .devices import BACKENDS, device_of, on
-from .test_linear_cross_entropy import leaf, make_inputs
+from .helpers import leaf, make_inputs
 
 
 @pytest.mark.parametrize(

@@ -15,92 +15,23 @@ import torch
 from lce_patch import fused_linear_cross_entropy, fused_linear_log_probs
 from lce_patch.ops.linear_cross_entropy import naive_linear_cross_entropy, naive_token_outputs
 
-from .devices import BACKENDS, CPU, TRITON_BF16, device_of, on
-from .test_linear_cross_entropy import rel_err
-
-SCALE = 2.0  # LoRA's alpha / r
-
-
-def make_lora_inputs(n=37, d=19, v=101, rank=4, *, batch=None, seed=None, bias=False):
-    gen = torch.Generator().manual_seed(seed if seed is not None else torch.randint(0, 2**31, ()).item())
-    shape = (batch, n) if batch else (n,)
-    hidden = torch.randn(*shape, d, generator=gen, dtype=torch.float64)
-    weight = torch.randn(v, d, generator=gen, dtype=torch.float64) / d**0.5 * 2
-    lora_a = torch.randn(rank, d, generator=gen, dtype=torch.float64) / d**0.5
-    lora_b = torch.randn(v, rank, generator=gen, dtype=torch.float64) / rank**0.5
-    labels = torch.randint(0, v, shape, generator=gen)
-    labels.view(-1)[::5] = -100
-    b = torch.randn(v, generator=gen, dtype=torch.float64) if bias else None
-    return hidden, weight, lora_a, lora_b, labels, b
-
-
-def leaves(tensors, dtype, trainable, device=CPU):
-    return [
-        None if t is None else t.to(device, dtype).detach().requires_grad_(wants)
-        for t, wants in zip(tensors, trainable)
-    ]
-
-
-def reference_loss(hidden, weight, lora_a, lora_b, labels, bias, options):
-    """The plain float64 op on the concatenated operands: the same logits, every gradient by autograd."""
-    low = SCALE * hidden @ lora_a.t()
-    return naive_linear_cross_entropy(
-        torch.cat([hidden, low], -1), torch.cat([weight, lora_b], 1), labels, bias=bias, **options
-    )
-
-
-OPTION_SETS = [
-    {},
-    {"reduction": "sum"},
-    {"reduction": "none"},
-    {"num_items_in_batch": 41},
-    {"softcap": 2.5, "logit_scale": 0.7},
-    {"label_smoothing": 0.1, "z_loss": 1e-2},
-    {"skip_ignored": True},
-    {"skip_ignored": True, "reduction": "none", "softcap": 3.0},
-]
-
-
-def check_low_rank(options, *, backend, weight_trainable, device=None, dtype=torch.float32, tol=1e-5, size=None):
-    """The op with a LoRA-built low-rank term against the float64 concatenation, every gradient."""
-    device = device_of(backend) if device is None else device
-    hidden, weight, lora_a, lora_b, labels, bias = make_lora_inputs(bias=True, **(size or {}))
-    trainable = (True, weight_trainable, True, True, True)
-    ref_leaves = leaves((hidden, weight, lora_a, lora_b, bias), torch.float64, trainable)
-    ref_options = {k: v for k, v in options.items() if k != "skip_ignored"}
-    ref = reference_loss(*ref_leaves[:4], labels, ref_leaves[4], ref_options)
-    upstream = torch.randn_like(ref) if ref.dim() else torch.tensor(1.7, dtype=torch.float64)
-    wanted = [t for t in ref_leaves if t is not None and t.requires_grad]
-    ref_grads = torch.autograd.grad(ref, wanted, upstream)
-
-    h, w, b = (t.to(device, dtype).detach() for t in (hidden, weight, bias))
-    h.requires_grad_(), w.requires_grad_(weight_trainable), b.requires_grad_()
-    a, b_up = (t.to(device, torch.float32).detach().requires_grad_() for t in (lora_a, lora_b))  # PEFT's fp32
-    out = fused_linear_cross_entropy(
-        h,
-        w,
-        labels.to(device),
-        bias=b,
-        low_rank_hidden=SCALE * h.float() @ a.t(),
-        low_rank_weight=b_up,
-        backend=backend,
-        chunk_size=8 if size is None else 128,
-        **options,
-    )
-    assert out.dtype == torch.float32 and out.shape == ref.shape
-    out.backward(upstream.to(device, torch.float32))
-    assert rel_err(out, ref) < tol
-    got = [t for t in (h, w, a, b_up, b) if t.requires_grad]
-    for name, tensor, want in zip(("hidden", "weight", "A", "B", "bias"), got, ref_grads):
-        assert tensor.grad is not None, name
-        assert rel_err(tensor.grad, want) < tol, (name, rel_err(tensor.grad, want))
-    if not weight_trainable:
-        assert w.grad is None
+from .devices import BACKENDS, TRITON_BF16, device_of, on
+from .helpers import (
+    LORA_SCALE,
+    LOW_RANK_OPTION_SETS,
+    check_low_rank,
+    lora_leaves,
+    lora_reference_loss,
+    make_lora_inputs,
+    rel_err,
+)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("weight_trainable", [False, True], ids=["frozen_weight", "trainable_weight"])
-@pytest.mark.parametrize("options", OPTION_SETS, ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()) or "default")
+@pytest.mark.parametrize(
+    "options", LOW_RANK_OPTION_SETS, ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()) or "default"
+)
 def test_matches_float64_reference(backend, weight_trainable, options):
     check_low_rank(options, backend=backend, weight_trainable=weight_trainable)
 
@@ -111,8 +42,8 @@ def test_token_outputs_with_entropy(backend, precompute_grad):
     """Per-token log-probabilities and a differentiable entropy (the recompute backward), and the
     precomputed-gradient path (an NLL mean upstream), as TRL's fused heads use them."""
     hidden, weight, lora_a, lora_b, labels, _ = make_lora_inputs(batch=2, n=13, seed=5)
-    ref_h, ref_w, ref_a, ref_b = leaves((hidden, weight, lora_a, lora_b), torch.float64, (True,) * 4)
-    low = SCALE * ref_h @ ref_a.t()
+    ref_h, ref_w, ref_a, ref_b = lora_leaves((hidden, weight, lora_a, lora_b), torch.float64, (True,) * 4)
+    low = LORA_SCALE * ref_h @ ref_a.t()
     log_probs, entropy, is_top1 = naive_token_outputs(
         torch.cat([ref_h, low], -1), torch.cat([ref_w, ref_b], 1), labels, softcap=4.0
     )
@@ -121,7 +52,7 @@ def test_token_outputs_with_entropy(backend, precompute_grad):
     up_ent = torch.randn_like(entropy) if not precompute_grad else torch.zeros_like(entropy)
     ref_grads = torch.autograd.grad((log_probs * up_lp + entropy * up_ent).sum(), [ref_h, ref_w, ref_a, ref_b])
 
-    h, w, a, b_up = leaves((hidden, weight, lora_a, lora_b), torch.float32, (True,) * 4, device_of(backend))
+    h, w, a, b_up = lora_leaves((hidden, weight, lora_a, lora_b), torch.float32, (True,) * 4, device_of(backend))
     out = fused_linear_log_probs(
         h,
         w,
@@ -132,7 +63,7 @@ def test_token_outputs_with_entropy(backend, precompute_grad):
         backend=backend,
         chunk_size=8,
         precompute_grad=precompute_grad,
-        low_rank_hidden=SCALE * h @ a.t(),
+        low_rank_hidden=LORA_SCALE * h @ a.t(),
         low_rank_weight=b_up,
     )
     assert rel_err(out.log_probs, log_probs) < 1e-5 and rel_err(out.entropy, entropy) < 1e-5
@@ -148,11 +79,11 @@ def test_token_outputs_with_entropy(backend, precompute_grad):
 
 def test_float64_on_torch():
     hidden, weight, lora_a, lora_b, labels, _ = make_lora_inputs(seed=1)
-    h, w, a, b_up = leaves((hidden, weight, lora_a, lora_b), torch.float64, (True, False, True, True))
-    ref = reference_loss(h, w, a, b_up, labels, None, {})
+    h, w, a, b_up = lora_leaves((hidden, weight, lora_a, lora_b), torch.float64, (True, False, True, True))
+    ref = lora_reference_loss(h, w, a, b_up, labels, None, {})
     ref_grads = torch.autograd.grad(ref, [h, a, b_up])
     out = fused_linear_cross_entropy(
-        h, w, labels, low_rank_hidden=SCALE * h @ a.t(), low_rank_weight=b_up, backend="torch", chunk_size=8
+        h, w, labels, low_rank_hidden=LORA_SCALE * h @ a.t(), low_rank_weight=b_up, backend="torch", chunk_size=8
     )
     assert out.dtype == torch.float64
     grads = torch.autograd.grad(out, [h, a, b_up])
@@ -170,15 +101,15 @@ def test_half_model_with_fp32_adapter(backend, dtype):
     if backend == "triton" and dtype == torch.bfloat16 and not TRITON_BF16:
         pytest.skip("bf16 tl.dot is broken in the Triton CPU interpreter")
     hidden, weight, lora_a, lora_b, labels, _ = make_lora_inputs(n=64, d=32, v=96, rank=8, seed=2)
-    ref_h, ref_w, ref_a, ref_b = leaves((hidden, weight, lora_a, lora_b), torch.float64, (True, False, True, True))
-    ref = reference_loss(ref_h, ref_w, ref_a, ref_b, labels, None, {})
+    ref_h, ref_w, ref_a, ref_b = lora_leaves((hidden, weight, lora_a, lora_b), torch.float64, (True, False, True, True))
+    ref = lora_reference_loss(ref_h, ref_w, ref_a, ref_b, labels, None, {})
     ref_grads = torch.autograd.grad(ref, [ref_h, ref_a, ref_b])
 
     device = device_of(backend)
     h = hidden.to(device, dtype).requires_grad_()
     w = weight.to(device, dtype)
-    a, b_up = leaves((lora_a, lora_b), torch.float32, (True, True), device)
-    low = SCALE * h.float() @ a.t()  # PEFT casts the input to the adapter's dtype
+    a, b_up = lora_leaves((lora_a, lora_b), torch.float32, (True, True), device)
+    low = LORA_SCALE * h.float() @ a.t()  # PEFT casts the input to the adapter's dtype
     out = fused_linear_cross_entropy(
         h, w, on(backend, labels), low_rank_hidden=low, low_rank_weight=b_up, backend=backend
     )
@@ -226,7 +157,7 @@ def test_compiled_is_one_graph_with_eager_numbers(output):
         return graph_module.forward
 
     def loss_fn(h, w, a, b_up, labels):
-        low_rank = dict(low_rank_hidden=SCALE * h @ a.t(), low_rank_weight=b_up, softcap=3.0, chunk_size=8)
+        low_rank = dict(low_rank_hidden=LORA_SCALE * h @ a.t(), low_rank_weight=b_up, softcap=3.0, chunk_size=8)
         if output == "mean":
             return fused_linear_cross_entropy(h, w, labels, skip_ignored=True, **low_rank)
         outputs = fused_linear_log_probs(
@@ -237,7 +168,7 @@ def test_compiled_is_one_graph_with_eager_numbers(output):
 
     results = []
     for fn in (loss_fn, torch.compile(loss_fn, backend=capture, fullgraph=True)):
-        h, w, a, b_up = leaves((hidden, weight, lora_a, lora_b), torch.float32, (True, False, True, True))
+        h, w, a, b_up = lora_leaves((hidden, weight, lora_a, lora_b), torch.float32, (True, False, True, True))
         loss = fn(h, w, a, b_up, labels)
         loss.backward()
         results.append((loss.detach(), h.grad, a.grad, b_up.grad))

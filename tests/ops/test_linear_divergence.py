@@ -14,28 +14,9 @@ from lce_patch import fused_linear_divergence
 from lce_patch.ops.linear_divergence import naive_linear_divergence
 
 from .devices import BACKENDS, CPU, TRITON_DEVICE, device_of, on, placed
-from .test_linear_cross_entropy import rel_err
+from .helpers import D_TEACHER, D, N, V, divergence_problem, rel_err
 
 BETAS = [0.0, 0.3, 0.5, 1.0]
-N, D, D_TEACHER, V = 13, 16, 24, 37
-
-
-def make_problem(seed: int, *, vocab_teacher: int = V, bias: bool = False, leading=(N,)):
-    gen = torch.Generator().manual_seed(seed)
-    rows = int(torch.tensor(leading).prod())
-    problem = dict(
-        hidden=torch.randn(*leading, D, generator=gen, dtype=torch.float64),
-        weight=torch.randn(V, D, generator=gen, dtype=torch.float64) / 2,
-        teacher_hidden=torch.randn(*leading, D_TEACHER, generator=gen, dtype=torch.float64),
-        teacher_weight=torch.randn(vocab_teacher, D_TEACHER, generator=gen, dtype=torch.float64) / 2,
-    )
-    if bias:
-        problem["bias"] = torch.randn(V, generator=gen, dtype=torch.float64)
-        problem["teacher_bias"] = torch.randn(vocab_teacher, generator=gen, dtype=torch.float64)
-    mask = torch.rand(rows, generator=gen) > 0.3
-    mask[0] = True
-    problem["mask"] = mask.reshape(leading)
-    return problem
 
 
 def leaves(problem: dict, dtype: torch.dtype, device: torch.device = CPU) -> dict:
@@ -84,7 +65,7 @@ OPTIONS = {
 @pytest.mark.parametrize("beta", BETAS)
 @pytest.mark.parametrize("case", list(OPTIONS))
 def test_float64_equals_the_reference(beta, case):
-    problem = make_problem(hash((beta, case)) % 1000, bias=case == "softcaps_and_scales")
+    problem = divergence_problem(hash((beta, case)) % 1000, bias=case == "softcaps_and_scales")
     options = dict(OPTIONS[case], beta=beta)
     reference = run(naive_linear_divergence, leaves(problem, torch.float64), **options)
     fused = run(fused_linear_divergence, leaves(problem, torch.float64), chunk_size=4, **options)
@@ -96,7 +77,7 @@ def test_float64_equals_the_reference(beta, case):
 @pytest.mark.parametrize("case", list(OPTIONS))
 def test_triton_kernels_equal_the_reference(beta, case):
     # fp32 logits and softmaxes, as in the low-precision test's fp32 row below
-    problem = make_problem(hash((beta, case, "triton")) % 1000, bias=case == "softcaps_and_scales")
+    problem = divergence_problem(hash((beta, case, "triton")) % 1000, bias=case == "softcaps_and_scales")
     options = dict(OPTIONS[case], beta=beta)
     reference = run(naive_linear_divergence, leaves(problem, torch.float64), **options)
     fused = run(
@@ -113,7 +94,7 @@ def test_triton_kernels_equal_the_reference(beta, case):
 @pytest.mark.parametrize("beta", BETAS)
 def test_per_token_loss_with_uneven_upstream_gradients(beta, backend):
     # reduction="none" recomputes each chunk in the backward with every token's own upstream gradient
-    problem = make_problem(5)
+    problem = divergence_problem(5)
     upstream = torch.randn(N, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
     reference = run(naive_linear_divergence, leaves(problem, torch.float64), upstream, beta=beta, reduction="none")
     dtype, rtol, atol = (torch.float64, 1e-10, 1e-12) if backend == "torch" else (torch.float32, 2e-5, 2e-5)
@@ -139,7 +120,7 @@ TOLERANCES = {torch.float32: 2e-5, torch.float16: 2e-2, torch.bfloat16: 8e-2}
 @pytest.mark.parametrize("dtype", list(TOLERANCES), ids=str)
 @pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
 def test_low_precision_inputs_against_float64_of_the_same_inputs(dtype, beta, backend):
-    problem = make_problem(11, bias=True)
+    problem = divergence_problem(11, bias=True)
     rounded = {k: (v.to(dtype).double() if v.is_floating_point() else v) for k, v in problem.items()}
     reference = run(naive_linear_divergence, leaves(rounded, torch.float64), beta=beta, softcap=4.0)
     fused = run(
@@ -202,7 +183,9 @@ def test_fp32_logits_cut_the_bf16_gradient_error(beta, reduction, backend):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_fp32_logits_on_views_equal_the_contiguous_result(backend):
     # bf16 (where the option acts): a transposed hidden, a transposed weight, a strided bias, an expanded teacher
-    problem = {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in make_problem(14, bias=True).items()}
+    problem = {
+        k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in divergence_problem(14, bias=True).items()
+    }
     problem = dict(zip(problem, on(backend, *problem.values())))
 
     def run_on(inputs):
@@ -228,7 +211,7 @@ def test_fp32_logits_on_views_equal_the_contiguous_result(backend):
 @pytest.mark.parametrize("beta", BETAS)
 def test_equals_trl_generalized_jsd_loss(beta):
     gkd = pytest.importorskip("trl.experimental.gkd.gkd_trainer")
-    problem = make_problem(3, leading=(2, 7))
+    problem = divergence_problem(3, leading=(2, 7))
     labels = torch.where(problem["mask"], 1, -100)
     student = problem["hidden"] @ problem["weight"].T
     teacher = problem["teacher_hidden"] @ problem["teacher_weight"].T
@@ -238,7 +221,7 @@ def test_equals_trl_generalized_jsd_loss(beta):
 
 
 def test_padded_teacher_vocabulary_uses_the_shared_tokens():
-    problem = make_problem(7, vocab_teacher=V + 9, bias=True)
+    problem = divergence_problem(7, vocab_teacher=V + 9, bias=True)
     sliced = dict(problem, teacher_weight=problem["teacher_weight"][:V], teacher_bias=problem["teacher_bias"][:V])
     assert torch.equal(fused_linear_divergence(**problem), fused_linear_divergence(**sliced))
     with pytest.raises(ValueError, match="teacher's vocabulary .* smaller than the student's"):
@@ -246,7 +229,7 @@ def test_padded_teacher_vocabulary_uses_the_shared_tokens():
 
 
 def test_no_gradient_reaches_the_teacher():
-    problem = leaves(make_problem(2), torch.float32)
+    problem = leaves(divergence_problem(2), torch.float32)
     problem["teacher_hidden"].requires_grad_(True)
     problem["teacher_weight"].requires_grad_(True)
     fused_linear_divergence(**problem).backward()
@@ -257,7 +240,7 @@ def test_no_gradient_reaches_the_teacher():
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 def test_no_selected_token_gives_zero_and_zero_gradients(reduction, backend):
-    problem = leaves(make_problem(4), torch.float32, device_of(backend))
+    problem = leaves(divergence_problem(4), torch.float32, device_of(backend))
     problem["mask"] = torch.zeros(N, dtype=torch.int64, device=device_of(backend))
     loss = fused_linear_divergence(**problem, reduction=reduction, backend=backend)
     loss.sum().backward()
@@ -272,7 +255,8 @@ def test_no_selected_token_gives_zero_and_zero_gradients(reduction, backend):
 def test_views_and_batched_layouts(backend):
     # on the backend's device first: the views below are taken there
     problem = {
-        k: v.float() if v.is_floating_point() else v for k, v in make_problem(8, leading=(3, 5), bias=True).items()
+        k: v.float() if v.is_floating_point() else v
+        for k, v in divergence_problem(8, leading=(3, 5), bias=True).items()
     }
     problem = dict(zip(problem, on(backend, *problem.values())))
     tol = dict(rtol=1e-6, atol=1e-7)
@@ -327,14 +311,14 @@ def test_views_and_batched_layouts(backend):
     ],
 )
 def test_bad_input_is_refused_with_a_clear_error(change, message):
-    problem = {k: v.float() if v.is_floating_point() else v for k, v in make_problem(9).items()}
+    problem = {k: v.float() if v.is_floating_point() else v for k, v in divergence_problem(9).items()}
     with pytest.raises(ValueError, match=message):
         fused_linear_divergence(**{**problem, **change})
 
 
 def test_torch_compile_still_checks_num_items():
     torch._dynamo.reset()
-    problem = {k: v.float() if v.is_floating_point() else v for k, v in make_problem(13).items()}
+    problem = {k: v.float() if v.is_floating_point() else v for k, v in divergence_problem(13).items()}
     compiled = torch.compile(lambda items: fused_linear_divergence(**problem, num_items_in_batch=items), fullgraph=True)
     with pytest.raises(ValueError, match="num_items_in_batch must be finite and > 0"):
         compiled(torch.tensor(-2.0))

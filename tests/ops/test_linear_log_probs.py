@@ -16,7 +16,7 @@ from lce_patch.ops.linear_cross_entropy import (
 from lce_patch.ops.linear_cross_entropy.rows import _BLOCK_V_STATS as BLOCK
 
 from .devices import BACKENDS, device_of, on
-from .test_linear_cross_entropy import leaf, make_inputs, rel_err
+from .helpers import leaf, make_inputs, rel_err
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -20,11 +20,10 @@ from lce_patch import fused_linear_sparse_divergence
 from lce_patch.ops.linear_sparse_divergence import naive_linear_sparse_divergence
 
 from .devices import BACKENDS, CPU, TRITON_BF16, TRITON_DEVICE, device_of, on, placed
-from .test_linear_cross_entropy import rel_err
+from .helpers import D, K, N, V, rel_err, sparse_divergence_problem
 
 REPO = Path(__file__).resolve().parents[2]
 BETAS = [0.0, 0.5, 1.0]
-N, D, V, K = 13, 16, 37, 5
 # the three supports: renormalized over the candidates (TRL without the tail), TRL's tail bucket, and the
 # candidates as given (axolotl's top-K forward KL)
 SUPPORTS = {
@@ -32,37 +31,6 @@ SUPPORTS = {
     "tail": dict(add_tail_bucket=True),
     "as_given": dict(renormalize=False),
 }
-
-
-def make_problem(seed: int, *, bias: bool = False, leading=(N,), padded: bool = True) -> dict:
-    """Float64 inputs: teacher log-probabilities of K candidates drawn from a wider softmax (so they do not sum
-    to 1), candidates close to the student's likely tokens; with ``padded``, padded slots (id -1, garbage
-    log-probability), a position with no candidate, and a repeated id."""
-    gen = torch.Generator().manual_seed(seed)
-    rows = int(torch.tensor(leading).prod())
-    hidden = torch.randn(rows, D, generator=gen, dtype=torch.float64)
-    weight = torch.randn(V, D, generator=gen, dtype=torch.float64) / 2
-    ids = torch.stack([torch.randperm(V, generator=gen)[:K] for _ in range(rows)])
-    logprobs = torch.log_softmax(torch.randn(rows, K + 3, generator=gen, dtype=torch.float64) * 2, -1)[:, :K]
-    mask = torch.ones(rows, K, dtype=torch.bool)
-    if padded:
-        mask = torch.rand(rows, K, generator=gen) > 0.25
-        mask[:, 0] = True
-        mask[1] = False  # a position without any candidate
-        ids[3, 2] = ids[3, 1]  # a repeated candidate
-        mask[3, 1:3] = True
-        ids[~mask] = -1
-        logprobs = logprobs.masked_fill(~mask, float("nan"))
-    problem = dict(
-        hidden=hidden.reshape(*leading, D),
-        weight=weight,
-        candidate_ids=ids.reshape(*leading, K),
-        teacher_logprobs=logprobs.reshape(*leading, K),
-        candidate_mask=mask.reshape(*leading, K),
-    )
-    if bias:
-        problem["bias"] = torch.randn(V, generator=gen, dtype=torch.float64)
-    return problem
 
 
 def leaves(problem: dict, dtype: torch.dtype, device: torch.device = CPU) -> dict:
@@ -112,7 +80,7 @@ OPTIONS = {
 @pytest.mark.parametrize("support", list(SUPPORTS))
 @pytest.mark.parametrize("case", list(OPTIONS))
 def test_float64_equals_the_reference(beta, support, case):
-    problem = make_problem(hash((beta, support, case)) % 1000, bias=case == "softcap_scale_bias")
+    problem = sparse_divergence_problem(hash((beta, support, case)) % 1000, bias=case == "softcap_scale_bias")
     options = dict(OPTIONS[case], **SUPPORTS[support], beta=beta)
     reference = run(naive_linear_sparse_divergence, leaves(problem, torch.float64), **options)
     fused = run(fused_linear_sparse_divergence, leaves(problem, torch.float64), chunk_size=4, **options)
@@ -125,7 +93,7 @@ def test_float64_equals_the_reference(beta, support, case):
 @pytest.mark.parametrize("support", list(SUPPORTS))
 @pytest.mark.parametrize("case", ["plain", "softcap_scale_bias", "num_items_tensor"])
 def test_triton_kernels_equal_the_reference(beta, support, case):
-    problem = make_problem(hash((beta, support, case, "triton")) % 1000, bias=case == "softcap_scale_bias")
+    problem = sparse_divergence_problem(hash((beta, support, case, "triton")) % 1000, bias=case == "softcap_scale_bias")
     options = dict(OPTIONS[case], **SUPPORTS[support], beta=beta)
     reference = run(naive_linear_sparse_divergence, leaves(problem, torch.float64), **options)
     fused = run(
@@ -143,7 +111,7 @@ def test_triton_kernels_equal_the_reference(beta, support, case):
 @pytest.mark.parametrize("support", ["renormalized", "tail"])
 def test_per_token_loss_with_uneven_upstream_gradients(beta, support, backend):
     # reduction="none" recomputes each chunk in the backward with every position's own upstream gradient
-    problem = make_problem(5, leading=(3, 5), bias=True)
+    problem = sparse_divergence_problem(5, leading=(3, 5), bias=True)
     upstream = torch.randn(3, 5, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
     options = dict(SUPPORTS[support], beta=beta, reduction="none", softcap=4.0)
     reference = run(naive_linear_sparse_divergence, leaves(problem, torch.float64), upstream, **options)
@@ -172,7 +140,7 @@ TOLERANCES = {torch.float32: 2e-5, torch.float16: 2e-2, torch.bfloat16: 8e-2}
 def test_low_precision_inputs_against_float64_of_the_same_inputs(dtype, beta, backend):
     if backend == "triton" and dtype == torch.bfloat16 and not TRITON_BF16:
         pytest.skip("bf16 on the Triton backend: compiled kernels only (devices.py)")
-    problem = make_problem(11, bias=True)
+    problem = sparse_divergence_problem(11, bias=True)
     rounded = {k: (v.to(dtype).double() if k in ("hidden", "weight", "bias") else v) for k, v in problem.items()}
     options = dict(beta=beta, softcap=4.0, add_tail_bucket=beta == 0.5)
     reference = run(naive_linear_sparse_divergence, leaves(rounded, torch.float64), **options)
@@ -236,7 +204,7 @@ def test_fp32_logits_cut_the_bf16_gradient_error(beta, reduction, backend):
 def test_fp32_logits_on_views_equal_the_contiguous_result(backend):
     # bf16 (where the option acts): a transposed hidden and weight, a strided bias, transposed candidate tensors
     # (the kernels do no tl.dot, so bf16 is right in the CPU interpreter too)
-    problem = make_problem(15, bias=True)
+    problem = sparse_divergence_problem(15, bias=True)
     problem = {k: v.to(torch.bfloat16) if k in ("hidden", "weight", "bias") else v for k, v in problem.items()}
     problem = dict(zip(problem, on(backend, *problem.values())))
 
@@ -299,7 +267,7 @@ TRL_CASES = {
 def test_equals_trl_chunked_jsd_loss_in_float64(beta, add_tail_bucket, case, monkeypatch):
     trl = pytest.importorskip("trl.experimental.async_distillation.async_distillation_trainer")
     settings = dict(TRL_CASES[case])
-    problem = _trl_inputs(make_problem(21, bias=settings.pop("bias")))
+    problem = _trl_inputs(sparse_divergence_problem(21, bias=settings.pop("bias")))
     # TRL upcasts with Tensor.float(): kept as float64 here, so both sides run in float64
     upcast = torch.Tensor.float
     monkeypatch.setattr(torch.Tensor, "float", lambda t, *a, **k: t if t.dtype == torch.float64 else upcast(t, *a, **k))
@@ -324,7 +292,8 @@ def test_equals_trl_as_shipped_in_float32(beta, backend):
     # TRL computes its logits and softmax in fp32: agreement to fp32 rounding (~1e-7, summed over V)
     trl = pytest.importorskip("trl.experimental.async_distillation.async_distillation_trainer")
     problem = {
-        k: v.float() if v.is_floating_point() else v for k, v in _trl_inputs(make_problem(22, bias=True)).items()
+        k: v.float() if v.is_floating_point() else v
+        for k, v in _trl_inputs(sparse_divergence_problem(22, bias=True)).items()
     }
     settings = dict(softcap=3.0, logit_scale=1.5, temperature=0.8)
     expected = _trl_loss(trl, problem, beta=beta, add_tail_bucket=True, **settings)
@@ -343,7 +312,7 @@ def _axolotl_problem(seed: int, *, normalized: bool) -> dict:
     """[B, T, K] inputs as axolotl's collator makes them: padded slots with id 0 and log-probability -1e9, whole
     positions masked (prompt tokens); with ``normalized`` the kept log-probabilities of a position sum to 1 and
     a position is kept or masked whole (what its ``kd_normalize_topk`` expects)."""
-    problem = make_problem(seed, leading=(2, 7), padded=False)
+    problem = sparse_divergence_problem(seed, leading=(2, 7), padded=False)
     gen = torch.Generator().manual_seed(seed + 1)
     mask = torch.rand(2, 7, K, generator=gen) > 0.2
     mask[:, :2] = False  # prompt positions
@@ -478,7 +447,7 @@ def test_equals_axolotl_topk_kd_in_its_environment(axolotl_results, name, case, 
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 @pytest.mark.parametrize("support", list(SUPPORTS))
 def test_no_position_with_a_candidate_gives_zero_and_zero_gradients(reduction, support, backend):
-    problem = leaves(make_problem(4, bias=True), torch.float32, device_of(backend))
+    problem = leaves(sparse_divergence_problem(4, bias=True), torch.float32, device_of(backend))
     problem["candidate_mask"] = torch.zeros(N, K, dtype=torch.int64, device=device_of(backend))
     options = dict(SUPPORTS[support], reduction=reduction, backend=backend, beta=0.5)
     loss = fused_linear_sparse_divergence(**problem, **options)
@@ -492,7 +461,7 @@ def test_no_position_with_a_candidate_gives_zero_and_zero_gradients(reduction, s
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_padded_slots_ignore_their_ids_and_log_probabilities(backend):
-    problem = {k: v.float() if v.is_floating_point() else v for k, v in make_problem(6).items()}
+    problem = {k: v.float() if v.is_floating_point() else v for k, v in sparse_divergence_problem(6).items()}
     problem = dict(zip(problem, on(backend, *problem.values())))
     padded = ~problem["candidate_mask"]
     garbage = dict(
@@ -510,7 +479,7 @@ def test_padded_slots_ignore_their_ids_and_log_probabilities(backend):
 
 @pytest.mark.parametrize("chunk_size", [1, 3, None])
 def test_chunking_does_not_change_the_result(chunk_size):
-    problem = make_problem(14, bias=True)
+    problem = sparse_divergence_problem(14, bias=True)
     options = dict(beta=0.5, add_tail_bucket=True, softcap=5.0)
     reference = run(fused_linear_sparse_divergence, leaves(problem, torch.float64), chunk_size=N, **options)
     fused = run(fused_linear_sparse_divergence, leaves(problem, torch.float64), chunk_size=chunk_size, **options)
@@ -518,7 +487,7 @@ def test_chunking_does_not_change_the_result(chunk_size):
 
 
 def test_no_gradient_reaches_the_teacher_and_entropy_has_none():
-    problem = leaves(make_problem(2), torch.float32)
+    problem = leaves(sparse_divergence_problem(2), torch.float32)
     problem["teacher_logprobs"] = problem["teacher_logprobs"].float().requires_grad_(True)
     loss, entropy = fused_linear_sparse_divergence(**problem, return_entropy=True)
     loss.backward()
@@ -527,7 +496,7 @@ def test_no_gradient_reaches_the_teacher_and_entropy_has_none():
 
 
 def test_backward_twice_through_a_scalar_loss_is_refused():
-    problem = leaves(make_problem(2), torch.float32)
+    problem = leaves(sparse_divergence_problem(2), torch.float32)
     loss = fused_linear_sparse_divergence(**problem)
     loss.backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="backward through the same scalar loss twice"):
@@ -538,7 +507,8 @@ def test_backward_twice_through_a_scalar_loss_is_refused():
 def test_views_and_batched_layouts(backend):
     # on the backend's device first: the views below are taken there
     problem = {
-        k: v.float() if v.is_floating_point() else v for k, v in make_problem(8, leading=(3, 5), bias=True).items()
+        k: v.float() if v.is_floating_point() else v
+        for k, v in sparse_divergence_problem(8, leading=(3, 5), bias=True).items()
     }
     problem = dict(zip(problem, on(backend, *problem.values())))
     tol = dict(rtol=1e-6, atol=1e-7)
@@ -575,7 +545,7 @@ def test_views_and_batched_layouts(backend):
 
 def test_torch_compile_still_checks_the_candidates():
     torch._dynamo.reset()
-    problem = {k: v.float() if v.is_floating_point() else v for k, v in make_problem(13).items()}
+    problem = {k: v.float() if v.is_floating_point() else v for k, v in sparse_divergence_problem(13).items()}
     compiled = torch.compile(
         lambda ids: fused_linear_sparse_divergence(**dict(problem, candidate_ids=ids)), fullgraph=True
     )
@@ -625,7 +595,7 @@ def _with(problem: dict, name: str, index, value) -> dict:
     ],
 )
 def test_bad_input_is_refused_with_a_clear_error(change, message):
-    problem = _float32(make_problem(9))
+    problem = _float32(sparse_divergence_problem(9))
     with pytest.raises(ValueError, match=f"^fused_linear_sparse_divergence: .*{message}"):
         fused_linear_sparse_divergence(**{**problem, **change})
 
@@ -644,11 +614,13 @@ def test_bad_input_is_refused_with_a_clear_error(change, message):
 def test_bad_candidate_values_are_refused_inside_the_op(name, value, message, backend):
     if device_of(backend).type == "cuda":
         pytest.skip("a device assert on CUDA (it would end the process)")
-    problem = _with(_float32(make_problem(9)), name, (0, 0), value)  # slot (0, 0) is always kept
+    problem = _with(_float32(sparse_divergence_problem(9)), name, (0, 0), value)  # slot (0, 0) is always kept
     with pytest.raises(ValueError, match=f"^fused_linear_sparse_divergence: {message}"):
         fused_linear_sparse_divergence(**problem, backend=backend)
     with pytest.raises(ValueError, match="num_items_in_batch must be finite and > 0"):
-        fused_linear_sparse_divergence(**_float32(make_problem(9)), num_items_in_batch=torch.tensor(float("nan")))
+        fused_linear_sparse_divergence(
+            **_float32(sparse_divergence_problem(9)), num_items_in_batch=torch.tensor(float("nan"))
+        )
 
 
 def test_exported_from_the_package():
@@ -658,7 +630,7 @@ def test_exported_from_the_package():
 
 
 def test_empty_batch_gives_a_zero_loss_with_gradients():
-    problem = leaves(make_problem(3), torch.float32)
+    problem = leaves(sparse_divergence_problem(3), torch.float32)
     empty = dict(
         problem,
         hidden=problem["hidden"][:0],

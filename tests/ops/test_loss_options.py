@@ -17,7 +17,7 @@ from lce_patch import fused_linear_cross_entropy
 from lce_patch.ops.linear_cross_entropy import CrossEntropyOutputs, VocabShard
 
 from .devices import BACKENDS, device_of, on
-from .test_linear_cross_entropy import _record_row_factors, leaf, make_inputs, rel_err
+from .helpers import leaf, make_inputs, record_row_factors, rel_err
 
 
 def reference(hidden, weight, labels, *, class_weights=None, token_weights=None, reduction="mean", num_items=None,
@@ -304,7 +304,7 @@ def test_predicted_tokens_are_the_argmax(backend, skip_ignored, options, monkeyp
         expected = torch.where(valid, expected, -100)
 
     device = device_of(backend)
-    one_pass = _record_row_factors(monkeypatch)
+    one_pass = record_row_factors(monkeypatch)
     results = []
     for flag in (True, False):
         h = leaf(hidden, torch.float32, device=device)

@@ -15,7 +15,7 @@ from lce_patch import fused_linear_cross_entropy
 from lce_patch.ops.linear_cross_entropy import naive_linear_cross_entropy
 
 from .devices import BACKENDS, device_of, on
-from .test_linear_cross_entropy import rel_err
+from .helpers import rel_err
 
 # Tolerances per dtype: fp32 accumulates exactly enough for 1e-5; fp16 operands round to 2^-11.
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 8e-3}

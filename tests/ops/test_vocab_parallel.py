@@ -18,7 +18,8 @@ from lce_patch import fused_linear_cross_entropy, fused_linear_log_probs
 from lce_patch.ops.linear_cross_entropy import VocabShard, naive_linear_cross_entropy
 from tests.multiprocess import run_ranks
 from tests.ops.devices import BACKENDS, on
-from tests.ops.test_linear_cross_entropy import make_inputs, rel_err
+
+from .helpers import make_inputs, rel_err
 
 # (options, input layout): each one a case run on every rank.
 CASES = [
