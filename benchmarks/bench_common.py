@@ -18,6 +18,7 @@ from __future__ import annotations
 import datetime
 import gc
 import importlib.metadata
+import math
 import os
 import platform
 import random
@@ -151,6 +152,31 @@ def out_path(out: str | Path, name: str) -> Path:
     """``out`` itself when it names a .json file, else ``out/name.json``."""
     out = Path(out)
     return out if out.suffix == ".json" else out / f"{name}.json"
+
+
+def fmt(value: Any, spec: str) -> str:
+    """``value`` formatted by ``spec``; "–" for None and NaN (a cell of a results table)."""
+    return "–" if value is None or (isinstance(value, float) and math.isnan(value)) else format(value, spec)
+
+
+# The columns every op benchmark's table ends with: memory and the errors against fp32, (key, format)
+ERROR_COLUMNS = (("peak_mib", ".0f"), ("loss_rel_err", ".1e"), ("dh_rel_err", ".1e"), ("dW_rel_err", ".1e"))
+
+
+def cells(row: dict, columns: tuple[tuple[str, str], ...]) -> str:
+    """A markdown table row's cells: ``row[key]`` by ``spec`` for each ``(key, spec)`` of ``columns``."""
+    return " | ".join(fmt(row.get(key), spec) for key, spec in columns)
+
+
+def write_markdown(report: str, result: dict, args, seconds: float) -> None:
+    """A benchmark's markdown report: the launches it skipped past ``--budget-min`` added, written to ``--md`` (or
+    beside ``--out``), printed with the time it took."""
+    if result["skipped"]:
+        report += f"\nnot run (over --budget-min {args.budget_min}): {', '.join(result['skipped'])}\n"
+    md = args.md or (os.path.splitext(args.out)[0] + ".md" if args.out else None)
+    if md:
+        Path(md).write_text(report)
+    print("\n" + report + f"\ntotal {seconds:.0f} s; JSON: {args.out}; markdown: {md}")
 
 
 def write_json(path: Path, record: dict) -> Path:

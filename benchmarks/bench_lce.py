@@ -52,7 +52,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import math
 import os
 import statistics
 import sys
@@ -61,7 +60,20 @@ import types
 
 import torch
 import torch.nn.functional as F
-from bench_common import IGNORE, env_info, free, make_inputs, reference, rel_err, rel_l2, set_exact_fp32
+from bench_common import (
+    ERROR_COLUMNS,
+    IGNORE,
+    cells,
+    env_info,
+    fmt,
+    free,
+    make_inputs,
+    reference,
+    rel_err,
+    rel_l2,
+    set_exact_fp32,
+    write_markdown,
+)
 
 # name: (N, D, V, softcap, frozen weight)
 SHAPES = {
@@ -330,8 +342,16 @@ def run_shape(name, data, methods, args, tflops) -> dict:
 
 
 # ----------------------------------------------------------------------------------------------- report
-def _f(x, fmt):
-    return "–" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, fmt)
+_f = fmt  # a cell: "–" for None and NaN
+# The columns of a shape's table after the method: (key, format)
+COLUMNS = (
+    ("ms", ".2f"),
+    ("pct_floor", ".0f"),
+    ("pct_gemm_floor", ".0f"),
+    ("fwd_ms", ".2f"),
+    ("pct_fwd_floor", ".0f"),
+    *ERROR_COLUMNS,
+)
 
 
 def table(block) -> str:
@@ -350,18 +370,7 @@ def table(block) -> str:
         if "error" in r:
             lines.append(f"| {r['method']} | error: {r['error'][:100]} |||||||||")
             continue
-        cells = [
-            _f(r.get("ms"), ".2f"),
-            _f(r.get("pct_floor"), ".0f"),
-            _f(r.get("pct_gemm_floor"), ".0f"),
-            _f(r.get("fwd_ms"), ".2f"),
-            _f(r.get("pct_fwd_floor"), ".0f"),
-            _f(r.get("peak_mib"), ".0f"),
-            _f(r.get("loss_rel_err"), ".1e"),
-            _f(r.get("dh_rel_err"), ".1e"),
-            _f(r.get("dW_rel_err"), ".1e"),
-        ]
-        lines.append(f"| {r['method']} | " + " | ".join(cells) + " |")
+        lines.append(f"| {r['method']} | {cells(r, COLUMNS)} |")
     return head + "\n".join(lines) + "\n"
 
 
@@ -453,13 +462,7 @@ def main(argv=None) -> int:
         + "\n### Summary\n\n"
         + summary(result["blocks"])
     )
-    if result["skipped"]:
-        report += f"\nskipped (over --budget-min {args.budget_min}): {', '.join(result['skipped'])}\n"
-    md = args.md or (os.path.splitext(args.out)[0] + ".md" if args.out else None)
-    if md:
-        with open(md, "w") as fh:
-            fh.write(report)
-    print("\n" + report + f"\ntotal {time.time() - t_start:.0f} s; JSON: {args.out}; markdown: {md}")
+    write_markdown(report, result, args, time.time() - t_start)
     return 0
 
 

@@ -67,7 +67,6 @@ import importlib.abc
 import importlib.machinery
 import importlib.util
 import json
-import math
 import os
 import statistics
 import sys
@@ -76,7 +75,7 @@ import types
 
 import torch
 import torch.nn.functional as F
-from bench_common import env_info, free, rel_err, rel_l2, set_exact_fp32
+from bench_common import ERROR_COLUMNS, cells, env_info, fmt, free, rel_err, rel_l2, set_exact_fp32, write_markdown
 
 # name: (N, D, V, K)
 MODELS = {"qwen2.5-1.5b": (1536, 151936), "llama3.2-1b": (2048, 128256)}
@@ -501,8 +500,9 @@ def run_shape(name, methods, args, device) -> dict:
 
 
 # ----------------------------------------------------------------------------------------------- report
-def _f(x, fmt):
-    return "–" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, fmt)
+_f = fmt  # a cell: "–" for None and NaN
+# The columns of a shape's table after the method and its definition: (key, format)
+COLUMNS = (("ms", ".2f"), ("pct_floor", ".0f"), *ERROR_COLUMNS)
 
 
 def table(block) -> str:
@@ -520,15 +520,7 @@ def table(block) -> str:
         if r["status"] != "ok":
             lines.append(f"| {r['method']} | {r['definition']} | {r['status']}: {r['reason'][:120]} ||||||")
             continue
-        cells = [
-            _f(r.get("ms"), ".2f"),
-            _f(r.get("pct_floor"), ".0f"),
-            _f(r.get("peak_mib"), ".0f"),
-            _f(r.get("loss_rel_err"), ".1e"),
-            _f(r.get("dh_rel_err"), ".1e"),
-            _f(r.get("dW_rel_err"), ".1e"),
-        ]
-        lines.append(f"| {r['method']} | {r['definition']} | " + " | ".join(cells) + " |")
+        lines.append(f"| {r['method']} | {r['definition']} | {cells(r, COLUMNS)} |")
     return head + "\n".join(lines) + "\n"
 
 
@@ -648,13 +640,7 @@ def main(argv=None) -> int:
         + "\n### Summary (peer over lce_patch, same loss definition)\n\n"
         + summary(result["blocks"])
     )
-    if result["skipped"]:
-        report += f"\nnot run (over --budget-min {args.budget_min}): {', '.join(result['skipped'])}\n"
-    md = args.md or (os.path.splitext(args.out)[0] + ".md" if args.out else None)
-    if md:
-        with open(md, "w") as fh:
-            fh.write(report)
-    print("\n" + report + f"\ntotal {time.time() - t_start:.0f} s; JSON: {args.out}; markdown: {md}")
+    write_markdown(report, result, args, time.time() - t_start)
     return 0
 
 

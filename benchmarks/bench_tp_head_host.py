@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import cProfile
 import io
-import json
 import os
 import pstats
 import statistics
@@ -45,7 +44,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from bench_common import CUDA_LAUNCH_CALLS, env_info  # noqa: E402
+from bench_common import CUDA_LAUNCH_CALLS, env_info, write_json  # noqa: E402
 
 from lce_patch import VocabShard, fused_linear_cross_entropy  # noqa: E402
 
@@ -226,9 +225,7 @@ def main(argv=None) -> int:
             "shards": args.shards if world == 1 else world,
             "rows": rows,
         }
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / f"bench_tp_head_host_w{world}.json").write_text(json.dumps(report, indent=1))
+        write_json(Path(args.out) / f"bench_tp_head_host_w{world}.json", report)
     dist.destroy_process_group()
     return 0
 

@@ -14,9 +14,7 @@ efficiency is that time / (R x the per-rank time). Rank 0 prints a table and wri
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -28,6 +26,10 @@ import torch.distributed as dist
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
+
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+from bench_common import env_info, write_json  # noqa: E402
 
 from lce_patch import VocabShard, fused_linear_cross_entropy  # noqa: E402
 
@@ -124,20 +126,8 @@ def main(argv=None) -> int:
                 f"| {row['shape']} | {row['tokens']} | {world} | {t['median_ms']:.2f} ({t['min_ms']:.2f}-{t['max_ms']:.2f}); "
                 f"{slowest:.2f} | {whole} |"
             )
-        report = {
-            "device": torch.cuda.get_device_name(device) if cuda else "cpu",
-            "world_size": world,
-            "versions": {
-                "torch": torch.__version__,
-                "triton": getattr(__import__("triton"), "__version__", None) if cuda else None,
-                "python": platform.python_version(),
-            },
-            "date": time.strftime("%Y-%m-%d"),
-            "ranks": gathered,
-        }
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / f"bench_vocab_parallel_w{world}.json").write_text(json.dumps(report, indent=1))
+        report = {"env": env_info(), "world_size": world, "ranks": gathered}
+        write_json(Path(args.out) / f"bench_vocab_parallel_w{world}.json", report)
     dist.destroy_process_group()
     return 0
 

@@ -56,22 +56,13 @@ if str(REPO) not in sys.path:
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 from bench_common import MULTICAST_OFF, argv_without, env_info, out_path, write_json  # noqa: E402
-from model_configs import RELEASED_CONFIGS  # noqa: E402
+from model_configs import RELEASED_CONFIGS, tiny  # noqa: E402
 
 IGNORE = -100
 SHAPES = {
     "llama3.1-8b": RELEASED_CONFIGS["llama-3.1-8b"],
     "qwen2.5-7b": RELEASED_CONFIGS["qwen2.5-7b"],
-    "tiny": dict(
-        model_type="llama",
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=512,
-        tie_word_embeddings=False,
-    ),
+    "tiny": tiny(model_type="llama", vocab_size=512, tie_word_embeddings=False),
 }
 SETUPS = ("unpatched", "lce_patch", "liger")
 

@@ -2,6 +2,16 @@
 
 from __future__ import annotations
 
+
+def tiny(**fields) -> dict:
+    """The CPU smoke tests' model: a few units wide and two layers deep, ``fields`` on top (vocabulary, head_dim,
+    another width, ...)."""
+    base = dict(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2
+    )
+    return {**base, **fields}
+
+
 # The released configs (config.json of each hub repository) of the 7-9B models the multi-GPU benchmarks train,
 # written out so nothing is downloaded (random weights are built from them).
 RELEASED_CONFIGS: dict[str, dict] = {

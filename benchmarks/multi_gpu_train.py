@@ -62,15 +62,11 @@ rank 0 prints a markdown table. ``--cpu`` runs a tiny model of the same architec
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
-import gc
 import json
-import logging
 import os
 import statistics
 import sys
-import tempfile
 import time
 import traceback
 from pathlib import Path
@@ -81,50 +77,32 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))  # lce_patch from this checkout, not an installed copy
 sys.path.insert(0, str(REPO / "benchmarks"))  # bench_common, model_configs
 
-from model_configs import RELEASED_CONFIGS  # noqa: E402
+from train_loop import (  # noqa: E402
+    INTERLEAVED,
+    METHODS,
+    StepClock,
+    StepProfiler,
+    VariantSwitch,
+    deepspeed_stage,
+    drop_gradient_hooks,
+    free_memory,
+    fresh_accelerator_state,
+    interleaved_summary,
+    make_trainer,
+    simulated_oom_callback,
+)
+from train_models import (  # noqa: E402
+    MODELS,
+    TINY,
+    Distribution,
+    ModuleGuard,
+    build_model,
+    make_rows,
+    model_config,
+    parameter_counts,
+)
 
-IGNORE = -100
 LEFT_BEHIND_GIB = 0.5  # memory allocated at a method's start past which an earlier method is said to have left it
-METHODS = (
-    "unpatched",
-    "lce_patch",
-    "liger_fused_loss",
-    "liger_kernels+lce_patch",
-    "liger_all",
-    "trl_fused_head",
-    "compile",
-    "lce_patch_interleaved",
-)
-INTERLEAVED = "lce_patch_interleaved"
-VARIANTS = ("unpatched", "lce_patch")  # the interleaved method's A and B
-# Liger's patch arguments per method: its instance patch passes each model type only the ones it takes.
-LIGER_CONFIGS: dict[str, dict[str, bool]] = {
-    "liger_fused_loss": {
-        "fused_linear_cross_entropy": True,
-        "cross_entropy": False,
-        "rope": False,
-        "rms_norm": False,
-        "swiglu": False,
-        "geglu": False,
-    },
-    "liger_kernels+lce_patch": {"fused_linear_cross_entropy": False, "cross_entropy": False},
-    "liger_all": {},
-}
-
-MODELS: dict[str, dict[str, Any]] = {name: dict(spec) for name, spec in RELEASED_CONFIGS.items()}
-MODELS["llama-3.1-8b-lora"] = dict(MODELS["llama-3.1-8b"])
-LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-# --cpu: the same architectures, tiny.
-TINY = dict(
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    vocab_size=512,
-    max_position_embeddings=4096,
-)
 
 
 # --------------------------------------------------------------------------------------------------- arguments
@@ -236,16 +214,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-# ------------------------------------------------------------------------------------------------- environment
-def _version(dist: str) -> str | None:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version(dist)
-    except PackageNotFoundError:
-        return None
-
-
 def _has(module: str) -> bool:
     import importlib.util
 
@@ -256,41 +224,13 @@ def _has(module: str) -> bool:
 
 
 def environment() -> dict[str, Any]:
-    import torch
-    from bench_common import git_revision
+    """bench_common's record (device, versions, the commit and whether the tree was clean), with the versions this
+    benchmark's table names under ``versions``."""
+    from bench_common import env_info
 
-    import lce_patch
-
-    cuda = torch.cuda.is_available()
-    return {
-        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "device": torch.cuda.get_device_name() if cuda else "cpu",
-        "device_count": torch.cuda.device_count() if cuda else 0,
-        "git": os.environ.get("LCE_BENCH_COMMIT") or git_revision(),
-        "lce_patch": lce_patch.__version__,
-        "versions": {
-            name: _version(name)
-            for name in (
-                "torch",
-                "triton",
-                "transformers",
-                "accelerate",
-                "trl",
-                "liger-kernel",
-                "deepspeed",
-                "peft",
-                "datasets",
-            )
-        },
-        "NCCL_NVLS_ENABLE": os.environ.get("NCCL_NVLS_ENABLE"),
-    }
-
-
-def deepspeed_stage() -> str | None:
-    """The ZeRO stage accelerate launched this process under ("?" if it names none), or None without DeepSpeed."""
-    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() != "true":
-        return None
-    return os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE", "?")
+    env = env_info()
+    names = ("torch", "triton", "transformers", "accelerate", "trl", "deepspeed", "peft", "datasets")
+    return {**env, "versions": {**{name: env.get(name) for name in names}, "liger-kernel": env.get("liger_kernel")}}
 
 
 def engine_name(args: argparse.Namespace, world: int) -> str:
@@ -322,474 +262,6 @@ def missing_requirement(method: str, args: argparse.Namespace) -> str | None:
     if args.model.endswith("-lora") and not _has("peft"):
         return "peft is not installed"
     return None
-
-
-# ------------------------------------------------------------------------------------------------------ models
-def model_config(args: argparse.Namespace):
-    """The transformers config of ``--model`` (tiny under --cpu), depth cut to ``--layers``."""
-    from transformers import AutoConfig
-
-    spec = dict(MODELS[args.model])
-    model_type = spec.pop("model_type")
-    if args.cpu:
-        spec.update(TINY)
-        if model_type == "gemma2":
-            spec.update(query_pre_attn_scalar=16, sliding_window=32)
-        if "rope_parameters" in spec and spec["rope_parameters"].get("rope_type") == "llama3":
-            spec["rope_parameters"] = {**spec["rope_parameters"], "original_max_position_embeddings": 1024}
-    else:
-        spec.setdefault("head_dim", spec["hidden_size"] // spec["num_attention_heads"])
-    if args.layers is not None:
-        spec["num_hidden_layers"] = args.layers
-    spec["max_position_embeddings"] = max(spec["max_position_embeddings"], args.seq_len)
-    config = AutoConfig.for_model(model_type, use_cache=False, **spec)
-    # transformers 5.24 refuses SDPA for Gemma-2 (its softcapped attention scores): eager there.
-    config._attn_implementation = "eager" if args.cpu or model_type == "gemma2" else "sdpa"
-    return config
-
-
-class Distribution:
-    """transformers' DistributedConfig mesh for --tp (None otherwise), made once per launch."""
-
-    def __init__(self, args: argparse.Namespace, world: int) -> None:
-        self.config = self.mesh = None
-        if args.tp == 1:
-            return
-        if world % args.tp:
-            raise SystemExit(f"--tp {args.tp} must divide the number of processes {world}")
-        try:
-            from transformers import DistributedConfig
-        except ImportError as error:
-            raise SystemExit(
-                "--tp needs transformers' DistributedConfig (transformers >= 5.24; this is "
-                f"{_version('transformers')}): {error}"
-            ) from error
-        from transformers import PreTrainedModel
-
-        self.config = DistributedConfig(tp_size=args.tp, fsdp_size=world // args.tp)
-        self.config, _, self.mesh = PreTrainedModel.prepare_distribute_model(self.config)
-        if args.cpu:
-            _allow_parallelism_config_on_cpu()
-
-
-def _allow_parallelism_config_on_cpu() -> None:
-    """CPU smoke mode only: accelerate refuses a ParallelismConfig (which the Trainer makes for a tensor-parallel
-    model) on CPU processes, though its tensor-parallel path needs nothing of the GPU; let it through there."""
-    from accelerate.parallelism_config import ParallelismConfig
-    from accelerate.utils import DistributedType
-
-    original = ParallelismConfig._validate_accelerator
-
-    def validate(self, accelerator):
-        if accelerator.distributed_type == DistributedType.MULTI_CPU:
-            return None
-        return original(self, accelerator)
-
-    ParallelismConfig._validate_accelerator = validate
-
-
-def build_model(args: argparse.Namespace, device, distribution: Distribution):
-    """Random bf16 weights from the config: built on the meta device, laid out (TP / FSDP2 by transformers under
-    --tp), then materialised on ``device`` and initialised there (seconds, where a CPU init of 8B takes minutes)."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    config = model_config(args)
-    dtype = torch.float32 if args.cpu else torch.bfloat16
-    try:  # an earlier method's Trainer left DeepSpeed's config registered: no ZeRO-3 init at construction
-        from transformers.integrations.deepspeed import unset_hf_deepspeed_config
-
-        unset_hf_deepspeed_config()
-    except ImportError:
-        pass
-    untied = contextlib.nullcontext()
-    if distribution.config is not None:
-        # As from_pretrained does: tied weights stay apart until the plan has laid each out, then are tied.
-        from transformers.initialization import no_tie_weights
-
-        untied = no_tie_weights()
-    with torch.device("meta"), untied:
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    if distribution.config is not None:
-        model = type(model).maybe_distribute_model(model, distribution.config, distribution.mesh)
-    model.to_empty(device=device)
-    for item in (*model.modules(), *model.parameters(), *model.buffers()):
-        if "_is_hf_initialized" in vars(item):
-            del item._is_hf_initialized
-    torch.manual_seed(args.seed)  # every rank the same weights
-    with torch.no_grad():
-        if hasattr(model, "initialize_weights"):
-            model.initialize_weights()
-        else:  # older transformers
-            model.apply(model._init_weights)
-    model.tie_weights()
-    if args.model.endswith("-lora"):
-        from peft import LoraConfig, get_peft_model
-
-        model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=LORA_TARGETS))
-    model.train()
-    return model
-
-
-def parameter_counts(model) -> dict[str, int]:
-    """Whole-model parameter counts (DTensors and FSDP shards counted at their full size)."""
-    total = trainable = 0
-    for param in model.parameters():
-        total += param.numel()
-        trainable += param.numel() if param.requires_grad else 0
-    return {"params": total, "trainable": trainable}
-
-
-class ModuleGuard:
-    """Undo what a peer's patch writes into a modeling module (Liger replaces ``LlamaRMSNorm``,
-    ``apply_rotary_pos_emb``, ... there), so the next method builds and runs the original model."""
-
-    def __init__(self, config) -> None:
-        import importlib
-
-        kind = config.model_type
-        self.modules = [importlib.import_module(f"transformers.models.{kind}.modeling_{kind}")]
-        self.saved = [dict(vars(m)) for m in self.modules]
-
-    def restore(self) -> list[str]:
-        restored = []
-        for module, saved in zip(self.modules, self.saved):
-            current = vars(module)
-            for key in [k for k in current if k not in saved]:
-                delattr(module, key)
-                restored.append(f"{module.__name__}.{key}")
-            for key, value in saved.items():
-                if current.get(key) is not value:
-                    setattr(module, key, value)
-                    restored.append(f"{module.__name__}.{key}")
-        return restored
-
-
-# -------------------------------------------------------------------------------------------------------- data
-def make_rows(args: argparse.Namespace, count: int, vocab: int) -> list[dict[str, list[int]]]:
-    """``count`` sequences of random ids, each with a masked prompt of 45-55% of its length (times
-    --prompt-fraction / 0.5), the same on every rank (the Trainer's sampler gives each rank its share)."""
-    import torch
-
-    generator = torch.Generator().manual_seed(args.seed + 1)
-    rows = []
-    for _ in range(count):
-        ids = torch.randint(0, vocab, (args.seq_len,), generator=generator)
-        jitter = 0.9 + 0.2 * torch.rand((), generator=generator).item()
-        prompt = min(int(args.seq_len * args.prompt_fraction * jitter), args.seq_len - 2)
-        labels = ids.clone()
-        labels[:prompt] = IGNORE
-        rows.append({"input_ids": ids.tolist(), "labels": labels.tolist()})
-    return rows
-
-
-def collate(batch: list[dict[str, list[int]]]) -> dict[str, Any]:
-    import torch
-
-    ids = torch.tensor([row["input_ids"] for row in batch])
-    return {
-        "input_ids": ids,
-        "attention_mask": torch.ones_like(ids),
-        "labels": torch.tensor([row["labels"] for row in batch]),
-    }
-
-
-# ---------------------------------------------------------------------------------------------------- training
-class StepClock:
-    """Times optimizer steps: the interval between consecutive ends of steps (after a device sync), so the data,
-    the loss exchange, forward, backward, clipping and the optimizer are all counted. Peak memory from the
-    first step on (after accelerate prepared the model and freed the unsharded weights)."""
-
-    def __init__(self) -> None:
-        from transformers import TrainerCallback
-
-        clock = self
-        self.ends: list[float] = []
-        self.begin: float | None = None
-
-        def sync() -> None:
-            import torch
-
-            if torch.cuda.is_available():
-                torch.cuda.synchronize()
-
-        class Callback(TrainerCallback):
-            def on_step_begin(self, args, state, control, **kwargs):
-                if clock.begin is None:
-                    import torch
-
-                    sync()
-                    if torch.cuda.is_available():
-                        torch.cuda.empty_cache()
-                        torch.cuda.reset_peak_memory_stats()
-                    clock.begin = time.perf_counter()
-
-            def on_step_end(self, args, state, control, **kwargs):
-                sync()
-                clock.ends.append(time.perf_counter())
-
-        self.callback = Callback()
-
-    def step_times(self) -> list[float]:
-        if self.begin is None:
-            return []
-        marks = [self.begin, *self.ends]
-        return [b - a for a, b in zip(marks, marks[1:])]
-
-
-class VariantSwitch:
-    """The interleaved method's switch: before each step, the model's loss is set to the unpatched head's or to
-    lce_patch's (``revert_fused_lce`` / ``apply_fused_lce``) in the order A B B A A B ..., so that each pair of
-    steps holds one of each and drift over the launch reaches both alike. The switch's own time is recorded per
-    step, to be taken out of the step it precedes."""
-
-    def __init__(self) -> None:
-        from transformers import TrainerCallback
-
-        switch = self
-        self.variants: list[str] = []
-        self.switch_s: list[float] = []
-        self.patched: list[bool] = []  # whether the model was patched when the step began: each variant's own
-
-        class Callback(TrainerCallback):
-            def on_step_begin(self, args, state, control, model=None, **kwargs):
-                import lce_patch
-                from lce_patch.models import is_patched, unwrap_causal_lm
-
-                start = time.perf_counter()
-                step = len(switch.variants)
-                variant = VARIANTS[(step % 2) ^ (step // 2 % 2)]
-                patched = is_patched(unwrap_causal_lm(model))
-                quiet = logging.getLogger("lce_patch")
-                level = quiet.level
-                quiet.setLevel(logging.ERROR)  # the patch's announcement, once per switch
-                try:
-                    if variant == "lce_patch" and not patched:
-                        lce_patch.apply_fused_lce(model)
-                    elif variant == "unpatched" and patched:
-                        lce_patch.revert_fused_lce(model)
-                finally:
-                    quiet.setLevel(level)
-                switch.variants.append(variant)
-                switch.switch_s.append(time.perf_counter() - start)
-                switch.patched.append(is_patched(unwrap_causal_lm(model)))
-
-        self.callback = Callback()
-
-
-class StepProfiler:
-    """``--profile``: torch.profiler over chosen steps on rank 0 (the other ranks step alongside). Each step's
-    Chrome trace (gzipped) and op table go to ``directory``; :func:`bench_common.step_work`'s summary of each, with
-    the loss that ran (``lce_patch`` or ``unpatched``), is kept in ``steps``. Only warm-up steps are profiled, so
-    the profiler's overhead stays out of the timed ones."""
-
-    def __init__(self, directory: str, stem: str, targets: set[int], rank: int) -> None:
-        from transformers import TrainerCallback
-
-        profiler = self
-        self.steps: list[dict[str, Any]] = []
-        self.active = None
-        active_here = rank == 0
-
-        class Callback(TrainerCallback):
-            def on_step_begin(self, args, state, control, **kwargs):
-                if active_here and state.global_step in targets:
-                    import torch
-                    from torch.profiler import ProfilerActivity, profile
-
-                    activities = [ProfilerActivity.CPU]
-                    if torch.cuda.is_available():
-                        torch.cuda.synchronize()
-                        activities.append(ProfilerActivity.CUDA)
-                    profiler.active = profile(activities=activities)
-                    profiler.active.__enter__()
-
-            def on_step_end(self, args, state, control, model=None, **kwargs):
-                if profiler.active is None:
-                    return
-                import torch
-                from bench_common import save_profile
-
-                from lce_patch.models import is_patched, unwrap_causal_lm
-
-                cuda = torch.cuda.is_available()
-                if cuda:
-                    torch.cuda.synchronize()
-                prof, profiler.active = profiler.active, None
-                prof.__exit__(None, None, None)
-                loss = "lce_patch" if is_patched(unwrap_causal_lm(model)) else "unpatched"
-                name = f"{stem}_step{state.global_step - 1}_{loss}_rank0"
-                summary = save_profile(prof, Path(directory), name, cuda, compress=True)
-                work = {key: round(value, 3) for key, value in summary.items()}
-                profiler.steps.append({"step": state.global_step - 1, "loss": loss, **work})
-
-        self.callback = Callback()
-
-
-def interleaved_summary(step_s: list[float], variants: list[str], switch_s: list[float], warmup: int,
-                        tokens_step: int, world: int) -> dict[str, Any]:  # fmt: skip
-    """The interleaved method's numbers: per variant, its steps after its first ``warmup`` (the switch's time taken
-    out) as tokens/s per GPU; the ratio of lce_patch's median step time to the unpatched one's with a 95% interval
-    from a paired bootstrap (the k-th steps of the two variants ran in the same pair)."""
-    from bench_common import ratio_interval
-
-    times = {variant: [] for variant in VARIANTS}
-    for step, variant, switch in zip(step_s, variants, switch_s, strict=False):
-        times[variant].append(step - switch)
-    timed = {variant: steps[warmup:] for variant, steps in times.items()}
-    count = min(len(steps) for steps in timed.values())
-    if count == 0:
-        return {"variants": {variant: {"timed_steps": 0} for variant in VARIANTS}}
-    timed = {variant: steps[:count] for variant, steps in timed.items()}
-    out: dict[str, Any] = {"variants": {}}
-    for variant, steps in timed.items():
-        per_gpu = [tokens_step / t / world for t in steps]
-        median = statistics.median(per_gpu)
-        out["variants"][variant] = {
-            "timed_steps": count,
-            "tokens_per_s_per_gpu": round(median, 1),
-            "spread": round((max(per_gpu) - min(per_gpu)) / median, 4),
-            "median_step_s": round(statistics.median(steps), 4),
-            "step_s": [round(t, 4) for t in steps],
-        }
-    reference, candidate = timed["unpatched"], timed["lce_patch"]
-    out["time_ratio"] = round(statistics.median(candidate) / statistics.median(reference), 4)
-    out["time_ratio_interval95"] = [round(bound, 4) for bound in ratio_interval(reference, candidate)]
-    out["switch_s_median"] = round(statistics.median(switch_s), 4)
-    return out
-
-
-def simulated_oom_callback():
-    """A callback raising torch.OutOfMemoryError at the first step (--simulate-oom-above)."""
-    import torch
-    from transformers import TrainerCallback
-
-    class Callback(TrainerCallback):
-        def on_step_begin(self, args, state, control, **kwargs):
-            raise torch.OutOfMemoryError("CUDA out of memory (simulated by --simulate-oom-above)")
-
-    return Callback()
-
-
-def checkpointing_arguments() -> dict[str, Any]:
-    """Gradient checkpointing (non-reentrant) in TrainingArguments, under the name this transformers uses
-    (``activation_checkpointing`` from 5.24 on, ``gradient_checkpointing`` before)."""
-    import dataclasses
-
-    from transformers import TrainingArguments
-
-    fields = {f.name for f in dataclasses.fields(TrainingArguments)}
-    name = "activation_checkpointing" if "activation_checkpointing" in fields else "gradient_checkpointing"
-    return {name: True, f"{name}_kwargs": {"use_reentrant": False}}
-
-
-def make_trainer(
-    method: str,
-    model,
-    args: argparse.Namespace,
-    rows,
-    batch: int,
-    max_steps: int,
-    clock: StepClock,
-    switch: VariantSwitch | None = None,
-    profiler: StepProfiler | None = None,
-):
-    from lce_patch import FusedLCECallback
-
-    # The profiler first: its stop and trace export (seconds for an 8B step) then end before the clock reads the
-    # step's end, so they land in the profiled warm-up step, not in the next one, which may be timed.
-    callbacks = ([profiler.callback] if profiler is not None else []) + [clock.callback]
-    if "lce_patch" in method:
-        callbacks.append(FusedLCECallback())
-    if switch is not None:
-        callbacks.append(switch.callback)
-    deepspeed = deepspeed_stage() is not None
-    common: dict[str, Any] = dict(
-        output_dir=os.path.join(tempfile.gettempdir(), "multi_gpu_train"),
-        max_steps=max_steps,
-        per_device_train_batch_size=batch,
-        learning_rate=args.lr,
-        optim="adamw_torch" if args.cpu else "adamw_torch_fused",
-        lr_scheduler_type="constant",
-        # DeepSpeed's bf16 mode (fp32 master weights); elsewhere the bf16 weights train as they are.
-        bf16=deepspeed and not args.cpu,
-        report_to=[],
-        save_strategy="no",
-        logging_steps=1,
-        disable_tqdm=True,
-        dataloader_num_workers=0,
-        remove_unused_columns=False,
-        seed=args.seed,
-        use_cpu=args.cpu,
-        torch_compile=method == "compile",
-    )
-    common.update(checkpointing_arguments())
-    if method in LIGER_CONFIGS:
-        common["use_liger_kernel"] = True
-        if LIGER_CONFIGS[method]:
-            common["liger_kernel_config"] = dict(LIGER_CONFIGS[method])
-    if method == "trl_fused_head":
-        from datasets import Dataset
-        from trl import SFTConfig, SFTTrainer
-
-        sys.path.insert(0, str(REPO / "recipes"))
-        from _loading import build_embedded_tokenizer
-
-        return SFTTrainer(
-            model=model,
-            # SFTTrainer wants a tokenizer; the data is tokenized already, so the recipes' offline one does.
-            processing_class=build_embedded_tokenizer(),
-            args=SFTConfig(**common, max_length=args.seq_len, dataset_kwargs={"skip_prepare_dataset": True}),
-            train_dataset=Dataset.from_list(rows),
-            data_collator=collate,
-            callbacks=callbacks,
-        )
-    from transformers import Trainer, TrainingArguments
-
-    return Trainer(
-        model=model,
-        args=TrainingArguments(**common),
-        train_dataset=rows,  # a list: the plain Trainer needs no datasets package
-        data_collator=collate,
-        callbacks=callbacks,
-    )
-
-
-def fresh_accelerator_state() -> None:
-    """Forget the previous method's accelerate state (the process group stays): accelerate keeps the first
-    Accelerator's settings for the whole process, so a later Trainer's torch_compile and DeepSpeed micro-batch
-    would be ignored (the Trainer resets it the same way between hyperparameter-search trials)."""
-    from accelerate.state import AcceleratorState, GradientState
-
-    AcceleratorState._reset_state(reset_partial_state=False)
-    GradientState._reset_state()
-
-
-def drop_gradient_hooks(model) -> int:
-    """Remove the post-accumulate-grad hooks on ``model``'s parameters; how many there were.
-
-    Under a model loaded through ``DistributedConfig``, transformers' Trainer (5.24,
-    ``_sync_replicated_trainable_parameters``) registers on each trainable parameter that is not a DTensor (the
-    norm weights under tensor parallelism alone) a hook whose closure holds the Trainer, and through it the model
-    and the optimizer. The tensor keeps its hooks on the C++ side of autograd, where the garbage collector does
-    not see the cycle, so without this the whole model and its optimizer states outlive the method (found on CPU
-    processes, seen on GPUs as 11 GiB a rank per 8B method at TP 4)."""
-    dropped = 0
-    for param in model.parameters() if model is not None else ():
-        hooks = getattr(param, "_post_accumulate_grad_hooks", None)
-        if hooks:
-            dropped += len(hooks)
-            hooks.clear()
-    return dropped
-
-
-def free_memory() -> None:
-    import torch
-
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
 
 
 class Run:

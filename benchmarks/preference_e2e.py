@@ -63,16 +63,11 @@ _TIMING_KEYS = ("runtime", "samples_per_second", "steps_per_second", "model_prep
 def build_tiny_model(vocab: int):
     """A tiny Llama (hidden 32, 2 layers) in float32 on the CPU, for the smoke run."""
     import torch
+    from model_configs import tiny
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     config = LlamaConfig(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=vocab,
-        max_position_embeddings=4096,
+        **tiny(hidden_size=32, intermediate_size=64, vocab_size=vocab, max_position_embeddings=4096),
         tie_word_embeddings=True,
     )
     config._attn_implementation = "sdpa"

@@ -62,6 +62,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench_common, in benchmarks/
 from bench_common import IGNORE, env_info, free  # noqa: E402  (it puts this checkout's lce_patch first on sys.path)
+from model_configs import tiny  # noqa: E402
 
 ARCHS = ("llama", "gemma2")
 REFERENCE, RERUN, PATCHED, OTHER_ORDER = "unpatched", "unpatched-rerun", "patched", "unpatched-seed1"
@@ -99,15 +100,7 @@ _GEMMA2 = dict(
     final_logit_softcapping=30.0,
     attn_logit_softcapping=50.0,
 )
-_TINY = dict(
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    vocab_size=512,
-    max_position_embeddings=128,
-)
+_TINY = tiny(vocab_size=512, max_position_embeddings=128)
 _TINY_GEMMA2 = dict(head_dim=16, query_pre_attn_scalar=16, sliding_window=32)
 # Gemma-2's attention softcap needs the eager attention (SDPA has no softcap).
 ATTENTION = {"llama": "sdpa", "gemma2": "eager"}

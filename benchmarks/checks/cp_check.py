@@ -63,6 +63,7 @@ from harness import (  # the checks' shared harness, next to this file (it puts 
     state_on_cpu,
     update_failures,
 )
+from model_configs import tiny
 
 import lce_patch
 from lce_patch import apply_fused_lce
@@ -171,7 +172,8 @@ def build_model(args: argparse.Namespace) -> torch.nn.Module:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     if args.shape == "tiny":
-        dims = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, vocab_size=512)
+        dims = tiny(vocab_size=512)
+        dims.pop("num_hidden_layers")  # --layers
         if args.arch == "gemma3":
             dims["head_dim"] = 16
     else:

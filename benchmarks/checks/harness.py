@@ -105,7 +105,8 @@ class OpSpy:
     """Records every call of ``module.name`` (by default ``lce_patch.models.forward.fused_linear_cross_entropy``,
     the name the patched forward resolves at call time). ``weights`` maps a record's key to the positional index of
     a head weight; ``labels_at`` the index of the labels (their valid count, whether the op shifts them, and a
-    checksum: which rows a call scored). Use as a context manager or :meth:`install` for the process."""
+    checksum: which rows a call scored). ``host_reads=False`` leaves out what needs a read on the host (norms,
+    ``num_items_in_batch``), which breaks a compiled graph. Use as a context manager or :meth:`install`."""
 
     def __init__(
         self,
@@ -113,22 +114,23 @@ class OpSpy:
         name: str = "fused_linear_cross_entropy",
         weights: dict[str, int] | None = None,
         labels_at: int | None = 2,
-        norms: bool = True,
+        host_reads: bool = True,
     ) -> None:
         if module is None:
             import lce_patch.models.forward as module
         self.module, self.name = module, name
         self.weights = weights or {"weight": 1}
-        self.labels_at, self.norms = labels_at, norms
+        self.labels_at, self.host_reads = labels_at, host_reads
         self.calls: list[dict[str, Any]] = []
         self.original = None
 
     def _record(self, args: tuple, kwargs: dict) -> dict[str, Any]:
         record: dict[str, Any] = {"hidden_shape": list(args[0].shape)}
         for key, index in self.weights.items():
-            record[key] = describe(args[index], self.norms)
+            record[key] = describe(args[index], self.host_reads)
         items = kwargs.get("num_items_in_batch")
-        record["num_items_in_batch"] = None if items is None else float(items)
+        if self.host_reads:  # a read on the host: under torch.compile, a graph break of the spy's own
+            record["num_items_in_batch"] = None if items is None else float(items)
         record["softcap"] = kwargs.get("softcap")
         if self.labels_at is not None and len(args) > self.labels_at:
             labels = args[self.labels_at]

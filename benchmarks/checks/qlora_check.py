@@ -34,15 +34,11 @@ if str(REPO) not in sys.path:
 
 # The real shapes come from e2e_train.py's models; "tiny" is a CPU smoke test of the script.
 MODELS = ("llama-3.2-1b", "gemma-2-2b", "tiny")
-TINY = dict(
-    vocab_size=256,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=512,
-)
+sys.path.insert(0, str(REPO / "benchmarks"))  # model_configs, e2e_train
+
+from model_configs import tiny  # noqa: E402
+
+TINY = tiny(vocab_size=256, max_position_embeddings=512)
 
 
 def _build(name: str, path: Path) -> int:
@@ -54,7 +50,6 @@ def _build(name: str, path: Path) -> int:
         torch.manual_seed(0)
         model = LlamaForCausalLM(LlamaConfig(**TINY)).to(torch.bfloat16)
     else:
-        sys.path.insert(0, str(REPO / "benchmarks"))
         from e2e_train import build_model
 
         model = build_model(name)

@@ -355,7 +355,7 @@ def measure(args, model, step, variant: str, tokens: int, rank: int, device: tor
     (:func:`time_interleaved`)."""
     cuda = device.type == "cuda"
     graphs_before = compile_counters() if args.compile else None
-    with OpSpy(labels_at=None, norms=False) as op_calls:  # which head weight the op got (no host read: compile)
+    with OpSpy(labels_at=None, host_reads=False) as op_calls:  # which head weight the op got (no host read: compile)
         loss = step()  # the values compared (and the first warm-up step)
     grads = {}
     for name, p in model.named_parameters():

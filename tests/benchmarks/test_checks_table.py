@@ -1,0 +1,39 @@
+"""docs/hooks/checks_table.py: the Distributed page's table of the multi-GPU checks, generated from the raw files of
+the newest benchmarks/checks/run_all.py run in benchmarks/results/."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _hook():
+    spec = importlib.util.spec_from_file_location("checks_table", REPO / "docs" / "hooks" / "checks_table.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_every_launch_has_a_row_that_names_its_raw_file():
+    hook = _hook()
+    table = hook.checks_table()
+    newest = sorted((REPO / "benchmarks" / "results").glob("*_run_all_checks_*.json"))[-1]
+    launches = json.loads(newest.read_text())["launches"]
+    rows = [line for line in table.splitlines() if line.startswith("| ") and not line.startswith("| engine")]
+    assert len(rows) == len(launches)
+    for row in rows:
+        named = re.findall(r"`([^`]+\.json)`", row)
+        assert named and all((REPO / "benchmarks" / "results" / name).is_file() for name in named), row
+    assert newest.name in table and "uncommitted" not in table
+
+
+def test_the_page_marker_is_replaced(tmp_path):
+    hook = _hook()
+    page = (REPO / "docs" / "distributed.md").read_text()
+    assert hook.MARKER in page
+    assert hook.MARKER not in hook.on_page_markdown(page, None, None, None)
+    assert "no run of" in hook.checks_table(tmp_path)  # no raw files: said in words
