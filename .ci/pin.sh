@@ -4,6 +4,7 @@
 # CI installs every tool and library from these files, so its result depends on the code, not on the day:
 #   .ci/constraints.txt           the tests', docs' and packaging environment (and the installed wheel's)
 #   .ci/axolotl-constraints.txt   axolotl's own environment (tests/integrations/test_axolotl.py)
+#   .ci/floors-constraints.txt    the oldest versions pyproject.toml declares (.ci/floors_env.sh)
 # This script resolves, in scratch environments, the newest versions the package index serves today for what
 # .ci/run installs, and writes them there. The versions held below stay as they are until changed here.
 # Users install from pyproject.toml's ranges; `pip install -e ".[docs]" -c .ci/constraints.txt` gives them the
@@ -59,4 +60,29 @@ AXOLOTL_DO_NOT_TRACK=1 "$ax" -m pip install -q "axolotl==$axolotl_version"
     "$ax" -m pip freeze --all | sort -f
 } > .ci/axolotl-constraints.txt
 
+# The floors' environment (.ci/floors_env.sh): the lower bounds pyproject.toml declares for transformers, accelerate,
+# peft, trl and datasets, pinned exactly, with the test tools at the versions pinned above.
+python3 -m venv "$scratch/floors"
+fl="$scratch/floors/bin/python"
+"$fl" -m pip install -q --upgrade pip setuptools wheel
+"$fl" -m pip install -q "torch==$torch_version"
+floors=$("$fl" - <<'PY'
+import re, tomllib
+project = tomllib.load(open("pyproject.toml", "rb"))["project"]
+extras = project["optional-dependencies"]
+for requirement in project["dependencies"] + extras["peft"] + extras["trl"]:
+    floor = re.fullmatch(r"(transformers|accelerate|peft|trl|datasets)>=([0-9.]+)", requirement.strip())
+    if floor:
+        print(f"{floor[1]}=={floor[2]}")
+PY
+)
+tools=$(grep -iE '^(pytest|pytest-xdist|hypothesis|requests|triton)==' .ci/constraints.txt)
+# shellcheck disable=SC2086 # one requirement a word
+"$fl" -m pip install -q $floors $tools
+{
+    header
+    "$fl" -m pip freeze --all | sort -f
+} > .ci/floors-constraints.txt
+
 echo "wrote .ci/constraints.txt ($(grep -vc '^#' .ci/constraints.txt) pins) and .ci/axolotl-constraints.txt ($(grep -vc '^#' .ci/axolotl-constraints.txt) pins)"
+echo "wrote .ci/floors-constraints.txt ($(grep -vc '^#' .ci/floors-constraints.txt) pins)"

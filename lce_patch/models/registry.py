@@ -15,10 +15,12 @@ after a self-check of its loss and every gradient against its own forward (``pat
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import functools
 import inspect
 import re
+import textwrap
 import types
 from dataclasses import dataclass
 
@@ -152,18 +154,44 @@ def _loss_names(forward, owner: type | None) -> frozenset[str]:
     return frozenset(found)
 
 
+def _labels_given_to_loss_function(forward) -> str | None:
+    """The labels expression a forward passes ``self.loss_function`` where it is not its ``labels`` argument (a
+    shifted copy, say), read from its source; None where it passes ``labels`` or the source cannot be read."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(inspect.unwrap(forward))))
+    except (OSError, TypeError, SyntaxError):
+        return None
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
+            continue
+        if node.func.attr != "loss_function":
+            continue
+        given = next((k.value for k in node.keywords if k.arg == "labels"), None)
+        if given is None and len(node.args) > 1 and not isinstance(node.args[1], ast.Starred):
+            given = node.args[1]
+        if given is not None and not (isinstance(given, ast.Name) and given.id == "labels"):
+            return ast.unparse(given)
+    return None
+
+
 @functools.cache
 def inline_loss_reason(forward, owner: type | None = None) -> str | None:
-    """How an (unpatched) ``forward`` computes its loss without ``self.loss_function``; None where it does not.
+    """How an (unpatched) ``forward`` computes its loss other than through ``self.loss_function`` on the labels it
+    is called with; None where it does not.
 
     Read from the forward's code, so it holds on any transformers version: a forward that names ``loss_function``
     (itself, in a method of ``owner`` it calls, or in the base class's forward it calls through ``super()``)
     computes its loss there, where the fused loss stands in for it. One that names none but builds a cross-entropy
-    on the logits (``CrossEntropyLoss``, ``cross_entropy``, ...) computes its loss inline, where the fused loss
-    cannot stand in: patched, its first call with labels would raise. None also where the code cannot be read.
+    on the logits (``CrossEntropyLoss``, ``cross_entropy``, ...) computes its loss inline, and one that passes
+    ``loss_function`` labels of its own (a copy it shifted itself) asks for a loss on other targets than the call's:
+    the fused loss, computed in the LM head's call from the call's labels, cannot stand in for either (patched, its
+    first call with labels would raise). None also where the code cannot be read.
     """
     names = _loss_names(forward, owner)
     if "loss_function" in names:
+        own = _labels_given_to_loss_function(forward)
+        if own is not None:
+            return f"passes its loss_function labels of its own ({own}), not the labels it is called with"
         return None
     inline = next((name for name in _INLINE_LOSS_NAMES if name in names), None)
     if inline is None:

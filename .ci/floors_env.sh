@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# The oldest versions lce_patch declares, in a virtual environment of their own, for the model and integration tests
+# (.ci/run runs tests/models and tests/integrations there): the lower bounds pyproject.toml gives transformers,
+# accelerate and the peft, trl and datasets extras, pinned exactly with everything else in
+# .ci/floors-constraints.txt (written by .ci/pin.sh, which resolves them) and installed without resolving again
+# (--no-deps). The tests run this checkout's lce_patch from the repository root (no install: the tests' own
+# environment is installed from the same checkout at the same time).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+env=.ci-deps/floors
+pins=.ci/floors-constraints.txt
+python3 -m venv "$env"
+"$env/bin/python" -m pip install -q -c "$pins" --upgrade pip
+"$env/bin/python" -m pip install -q -c "$pins" torch  # the CPU build on the machine's disk, as for the others
+"$env/bin/python" -m pip install -q --no-deps -r <(grep -viE '^(#|pip==|torch==)' "$pins")
+"$env/bin/python" -m pip check
