@@ -13,6 +13,7 @@ import lce_patch
 from lce_patch.models import get_head_config, is_patched
 from lce_patch.models.patch import unannounced
 from lce_patch.models.refusals import inline_loss_of_type
+from lce_patch.ops.core.backend import triton_usable
 
 from .tiny import TINY_CONFIGS, VOCAB, assert_close, assert_grads_match, make_batch, pair, tiny_config, tiny_model
 
@@ -156,7 +157,18 @@ def test_return_dict_false_and_positional_args():
     assert out.loss is not None and out.logits is None
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize(
+    "backend",
+    [
+        "torch",
+        pytest.param(
+            "triton",
+            marks=pytest.mark.skipif(
+                not triton_usable(torch.device("cpu")), reason="triton (or its CPU interpreter) is not available"
+            ),
+        ),
+    ],
+)
 def test_empty_micro_batch_gives_hugging_face_loss_and_zero_gradients(backend):
     """Every label ignored: the loss Hugging Face gives (NaN for its mean over no token, 0 for a sum
     divided by num_items_in_batch), in training and evaluation; the gradients are zeros, never NaN."""
