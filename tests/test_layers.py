@@ -5,7 +5,8 @@ private name crosses a module.
 
 ``models`` reaches the ops only through ``lce_patch.ops``, ``lce_patch.ops.core`` or an op's package, and
 ``integrations`` reaches ``models`` and the ops only through their packages (never the root ``lce_patch``, which
-imports them). Imports inside functions count as much as those at the top of a module.
+imports them). Imports inside functions count as much as those at the top of a module. The tests hold a rule of
+their own: no test module imports another (what they share lives in helper modules).
 """
 
 from __future__ import annotations
@@ -146,3 +147,21 @@ def test_no_private_name_crosses_a_module():
             and _private(node.attr)
         ]
     assert not wrong, "private names used outside their module:\n" + "\n".join(wrong)
+
+
+def test_no_test_module_imports_another():
+    """What test modules share lives in helper modules (``tests/*/helpers.py`` and the like), so that importing one
+    test module never collects another's tests or runs its module-level setup."""
+    tests = Path(__file__).resolve().parent
+    test_modules = {path.stem for path in tests.rglob("test_*.py")}
+    wrong = []
+    for path in sorted(tests.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            names = []
+            if isinstance(node, ast.ImportFrom):
+                names = [*(node.module or "").split("."), *(alias.name for alias in node.names)]
+            elif isinstance(node, ast.Import):
+                names = [part for alias in node.names for part in alias.name.split(".")]
+            if any(name in test_modules for name in names):
+                wrong.append(f"{path.relative_to(tests.parent)}:{node.lineno}")
+    assert not wrong, "test modules imported from elsewhere:\n" + "\n".join(wrong)

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from .. import ops as _ops
-from ..models import get_head_config, head_call
+from ..models import OPTION_DEFAULTS, get_head_config, head_call, option_names
 from ..ops.core import fp32_output_gemm_available
 from .serving import SERVED
 
@@ -38,11 +38,6 @@ __all__ = [
 ]
 
 IGNORE_INDEX = -100  # what TRL's trainers hard-code
-
-# Options of `apply_fused_lce` / `FusedLCECallback` that reach the log-probability op; the rest configure the model patch
-_LOG_PROB_OPTIONS = ("backend", "chunk_size")
-# Options that would change the loss TRL asked for: allowed only at their neutral value
-_NEUTRAL_OPTIONS = {"label_smoothing": 0.0, "z_loss": 0.0, "ignore_index": IGNORE_INDEX}
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -162,20 +157,21 @@ def log_prob_options(options: dict[str, Any]) -> dict[str, Any]:
             ``label_smoothing``, ``z_loss`` or ``ignore_index`` off its neutral value): a trainer's loss built on
             per-token log-probabilities never calls that loss.
     """
-    for name in ("class_weights", "return_lse", "return_token_accuracy", "return_predicted_tokens"):
-        if options.get(name) is not None and options.get(name) is not False:
-            raise ValueError(
-                f"lce_patch: option {name} cannot apply under TRL's fused LM head, whose loss the trainer computes "
-                "from per-token log-probabilities (the patched model's forward, which honours it, is not called); "
-                "leave it unset"
-            )
-    for name, neutral in _NEUTRAL_OPTIONS.items():
-        if name in options and options[name] != neutral:
+    for name in option_names(changes_loss=True) + option_names(adds_output=True):
+        neutral = OPTION_DEFAULTS[name]
+        if neutral is None or neutral is False:  # a loss weight or an extra output: not to be set at all
+            if options.get(name) is not None and options.get(name) is not False:
+                raise ValueError(
+                    f"lce_patch: option {name} cannot apply under TRL's fused LM head, whose loss the trainer "
+                    "computes from per-token log-probabilities (the patched model's forward, which honours it, is "
+                    "not called); leave it unset"
+                )
+        elif name in options and options[name] != neutral:
             raise ValueError(
                 f"lce_patch: option {name}={options[name]!r} cannot apply under TRL's fused LM head, whose loss is "
                 f"the plain negative log-likelihood with ignore index {IGNORE_INDEX}; leave it at {neutral!r}"
             )
-    return {k: options[k] for k in _LOG_PROB_OPTIONS if options.get(k) is not None}
+    return {k: options[k] for k in option_names(log_probs=True) if options.get(k) is not None}
 
 
 def divergence_options(options: dict[str, Any], *, fp32_logits: bool = False) -> dict[str, Any]:
@@ -186,16 +182,18 @@ def divergence_options(options: dict[str, Any], *, fp32_logits: bool = False) ->
     dW accumulated in fp32), so the op runs with ``fp32_logits`` and ``fp32_weight_grad`` to keep TRL's gradient
     precision (docs: the op page, "Precision of the distillation ops at bf16"); without it, TRL's loss reads bf16
     logits, as the op's default."""
-    op_options = {key: options[key] for key in ("chunk_size",) if options.get(key) is not None}
-    if options.get("backend") == "torch":
-        op_options["backend"] = "torch"
+    op_options = {
+        name: options[name]
+        for name in option_names(divergence=True)
+        if options.get(name) is not None and options[name] != OPTION_DEFAULTS[name]
+    }
+    if op_options.get("backend") != "torch":  # the ops choose their own backend unless asked for PyTorch's
+        op_options.pop("backend", None)
     if fp32_logits:
         op_options["fp32_weight_grad"] = True
         # torch before 2.8 has no fp32-output GEMM on CUDA: bf16 logits there (TRL's kernel upcasts its operands)
         if fp32_output_gemm_available(torch.device("cuda")):
             op_options["fp32_logits"] = True
-    elif options.get("fp32_weight_grad"):
-        op_options["fp32_weight_grad"] = True
     return op_options
 
 

@@ -14,7 +14,7 @@ from .adapters import fsdp1_inner, resolve_head_module, unwrap_causal_lm
 from .forward import loss_only
 from .head import head_call
 from .loss_options import EXTRA_OUTPUTS
-from .options import OPTIONS_ATTR, LCEOptions
+from .options import OPTION_DEFAULTS, OPTIONS, OPTIONS_ATTR, LCEOptions, Option, option_names
 from .patch import (
     apply_fused_lce,
     get_head_config,
@@ -36,11 +36,14 @@ from .registry import (
 
 __all__ = [
     "EXTRA_OUTPUTS",
+    "OPTIONS",
     "OPTIONS_ATTR",
+    "OPTION_DEFAULTS",
     "REGISTRY",
     "ArchSpec",
     "HeadConfig",
     "LCEOptions",
+    "Option",
     "UNSUPPORTED",
     "apply_fused_lce",
     "fsdp1_inner",
@@ -49,6 +52,7 @@ __all__ = [
     "inline_loss_types",
     "is_patched",
     "loss_only",
+    "option_names",
     "options_text",
     "patch_summary",
     "resolve_head_module",

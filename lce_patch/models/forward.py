@@ -183,27 +183,20 @@ class LossJob:
             hidden,
             weight,
             targets.to(hidden.device),
+            # the model's options, by the registry's names; a call's ignore_index wins, a count taken already skips
+            **options.op_arguments(
+                ignore_index=self.ignore_index, skip_ignored=options.skip_ignored and num_valid_tokens is None
+            ),
             bias=bias,
-            ignore_index=self.ignore_index,
             softcap=self.head_config.softcap,
             logit_scale=self.head_config.logit_scale,
             shift=shift,
             num_items_in_batch=self.num_items_in_batch,
-            label_smoothing=self.options.label_smoothing,
-            z_loss=self.options.z_loss,
-            backend=self.options.backend,
-            chunk_size=self.options.chunk_size,
-            deterministic=self.options.deterministic,
-            skip_ignored=self.options.skip_ignored and num_valid_tokens is None,
             num_valid_tokens=num_valid_tokens,
             low_rank_hidden=low_rank[0] if low_rank is not None else None,
             low_rank_weight=low_rank[1] if low_rank is not None else None,
-            fp32_weight_grad=self.options.fp32_weight_grad,
             class_weights=op_class_weights(options, hidden),
             token_weights=token_weights,
-            return_lse=options.return_lse,
-            return_token_accuracy=options.return_token_accuracy,
-            return_predicted_tokens=options.return_predicted_tokens,
         )
         if options.returns_extras:
             self.extras = {name: getattr(loss, name) for name in options.extra_outputs}

@@ -1,5 +1,9 @@
-"""The options of a patched model (:class:`LCEOptions`), checked when ``apply_fused_lce`` is called, and the
-attribute that holds them on the model (or on its class, for a class patch).
+"""The options registry: every option of ``apply_fused_lce`` and ``FusedLCECallback`` written once, as a field of
+:class:`LCEOptions` with its :class:`Option` (its doc line, whether the op checks it, whether it changes the loss or
+adds an output, whether it reaches the log-probability and divergence ops, its axolotl key); the options TRL's
+trainers get, the self-check's neutral options, the axolotl plugin's keys and the docs' tables are derived from it.
+The options are checked when ``apply_fused_lce`` is called and held on the model (or on its class, for a class
+patch) under :data:`OPTIONS_ATTR`.
 
 Most options are passed on to the op. They are checked up front by building the op's own options object from
 them (:class:`CrossEntropyOptions`, whose construction is the op's checks), so that a bad option fails at
@@ -14,12 +18,13 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from ..ops.core import check_weights
+from ..ops.core import BACKENDS, check_weights
 from ..ops.linear_cross_entropy import OP_NAME, CrossEntropyOptions, check_flag, loss_weights
 
 # Where apply_fused_lce stores the LCEOptions: on the instance, or on the class for a class patch.
@@ -99,8 +104,40 @@ class ClassWeights:
 
 
 @dataclass(frozen=True)
+class Option:
+    """What the registry says of one option of :class:`LCEOptions` (its name and default are the field's).
+
+    doc: one line for the documentation's table and the axolotl key's description. op: checked by the op's own
+    options (:class:`CrossEntropyOptions`' field of the same name), the others by :class:`LCEOptions` itself.
+    changes_loss: off its default, the loss is not the plain negative log-likelihood over the labels other than
+    -100 that Hugging Face's and TRL's losses compute. adds_output: calls that compute a loss return one more output.
+    log_probs / divergence: reaches :func:`lce_patch.fused_linear_log_probs` (TRL's trainers built on per-token
+    log-probabilities) / the divergence ops (the distillation trainers). axolotl: the axolotl plugin's key
+    ``lce_patch_<name>`` sets it. choices: the values it takes, where they are few.
+    """
+
+    doc: str
+    choices: tuple[str, ...] | None = None
+    op: bool = False
+    changes_loss: bool = False
+    adds_output: bool = False
+    log_probs: bool = False
+    divergence: bool = False
+    axolotl: bool = False
+
+
+_OPTION = "lce_patch_option"  # the field metadata key of each LCEOptions field's Option
+
+
+def _option(default: Any, doc: str, **what: Any) -> Any:
+    return dataclasses.field(default=default, metadata={_OPTION: Option(doc, **what)})
+
+
+@dataclass(frozen=True)
 class LCEOptions:
-    """Options of a patched model (stored on the model instance, or on the class for a class patch).
+    """Options of a patched model (stored on the model instance, or on the class for a class patch): the options
+    registry, each option written once, with what it is and where it reaches (:class:`Option`, read through
+    :data:`OPTIONS`).
 
     ``class_weights`` may be given as a [V] tensor (kept as a :class:`ClassWeights`). ``return_lse`` /
     ``return_token_accuracy`` / ``return_predicted_tokens``: calls that compute a loss also return the per-token
@@ -108,37 +145,64 @@ class LCEOptions:
     ``predicted_tokens``).
     """
 
-    ignore_index: int = -100
-    label_smoothing: float = 0.0
-    z_loss: float = 0.0
-    backend: str = "auto"
-    chunk_size: int | None = None
-    deterministic: bool = False
-    skip_ignored: bool = True
-    fp32_weight_grad: bool = False
+    ignore_index: int = _option(-100, "The label that is not scored.", op=True, changes_loss=True)
+    label_smoothing: float = _option(
+        0.0, "Label smoothing, as `torch.nn.functional.cross_entropy`'s.", op=True, changes_loss=True
+    )
+    z_loss: float = _option(
+        0.0, "Adds `z_loss * logsumexp**2` to each scored token's loss.", op=True, changes_loss=True
+    )
+    chunk_size: int | None = _option(
+        None,
+        "Tokens per chunk of logits (default: chosen from the shape); smaller: less memory, more launches.",
+        op=True,
+        log_probs=True,
+        divergence=True,
+        axolotl=True,
+    )
+    backend: str = _option(
+        "auto",
+        "'triton' kernels, the chunked 'torch' path, or 'auto' (Triton on a GPU).",
+        choices=BACKENDS,
+        op=True,
+        log_probs=True,
+        divergence=True,
+        axolotl=True,
+    )
+    skip_ignored: bool = _option(True, "Skip the ignored tokens before the matmuls (one early count).", op=True)
+    fp32_weight_grad: bool = _option(
+        False, "Accumulate a bf16 head's weight gradient in fp32, rounded once.", op=True, divergence=True
+    )
     # None: evaluation returns the logits like the unpatched model, except where the caller needs the
     # loss only (``loss_only()``, ``skip_logits=True``); False: never; True: always
-    return_logits_in_eval: bool | None = None
-    allow_unregistered: bool = False
-    class_weights: ClassWeights | None = None
-    return_lse: bool = False
-    return_token_accuracy: bool = False
-    return_predicted_tokens: bool = False
+    return_logits_in_eval: bool | None = _option(
+        None,
+        "Evaluation logits: unset = where the trainer needs them, true = always, false = never (then `predict()` "
+        "and `compute_metrics` are refused).",
+        axolotl=True,
+    )
+    allow_unregistered: bool = _option(
+        False,
+        "Patch an architecture lce_patch has no entry for, after checking it against its own loss on a test batch.",
+        axolotl=True,
+    )
+    class_weights: ClassWeights | None = _option(
+        None, "One loss weight per vocabulary entry, as `CrossEntropyLoss(weight=)`.", changes_loss=True
+    )
+    return_lse: bool = _option(False, "Calls with labels also return the per-token log-sum-exp.", adds_output=True)
+    return_token_accuracy: bool = _option(
+        False, "Calls with labels also return the fraction of tokens predicted right.", adds_output=True
+    )
+    return_predicted_tokens: bool = _option(
+        False, "Calls with labels also return each position's argmax.", adds_output=True
+    )
 
     def __post_init__(self) -> None:
         try:
-            CrossEntropyOptions(
-                ignore_index=self.ignore_index,
-                label_smoothing=self.label_smoothing,
-                z_loss=self.z_loss,
-                backend=self.backend,
-                chunk_size=self.chunk_size,
-                skip_ignored=self.skip_ignored,
-                fp32_weight_grad=self.fp32_weight_grad,
-            )
-            check_flag("return_lse", self.return_lse)
-            check_flag("return_token_accuracy", self.return_token_accuracy)
-            check_flag("return_predicted_tokens", self.return_predicted_tokens)
+            CrossEntropyOptions(**{name: getattr(self, name) for name, option in OPTIONS.items() if option.op})
+            for name, option in OPTIONS.items():
+                if option.adds_output:
+                    check_flag(name, getattr(self, name))
         except ValueError as error:
             raise _as_ours(error) from None
         if self.class_weights is not None and not isinstance(self.class_weights, ClassWeights):
@@ -160,10 +224,36 @@ class LCEOptions:
         """Whether calls that compute a loss attach any of the extra outputs."""
         return bool(self.extra_outputs)
 
+    def op_arguments(self, **overrides: Any) -> dict[str, Any]:
+        """The op's keyword arguments for these options (``fused_linear_cross_entropy`` takes each under the
+        option's name): those the op checks and the outputs asked for, with ``overrides`` (a call's own)."""
+        return {**{name: getattr(self, name) for name in _OP_ARGUMENTS}, **overrides}
+
     @classmethod
     def from_kwargs(cls, options: dict[str, Any]) -> LCEOptions:
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(options) - names)
+        if "deterministic" in options:
+            options = {name: value for name, value in options.items() if name != "deterministic"}
+            warnings.warn(
+                "lce_patch: deterministic does nothing and will be removed: every path of the fused loss is "
+                "deterministic already (no atomics, a fixed reduction order); leave it out",
+                FutureWarning,
+                stacklevel=3,
+            )
+        unknown = sorted(set(options) - set(OPTIONS))
         if unknown:
-            raise TypeError(f"lce_patch: unknown option(s) {unknown}; valid options: {sorted(names)}")
+            raise TypeError(f"lce_patch: unknown option(s) {unknown}; valid options: {sorted(OPTIONS)}")
         return cls(**options)
+
+
+OPTIONS: dict[str, Option] = {field.name: field.metadata[_OPTION] for field in dataclasses.fields(LCEOptions)}
+"""The options registry: each option of ``apply_fused_lce`` / ``FusedLCECallback`` by name, in declaration order."""
+OPTION_DEFAULTS: dict[str, Any] = {field.name: field.default for field in dataclasses.fields(LCEOptions)}
+"""Each option's default (an option that changes the loss is neutral there)."""
+
+
+def option_names(**what: bool) -> tuple[str, ...]:
+    """The options whose :class:`Option` has each of ``what`` as given, e.g. ``option_names(log_probs=True)``."""
+    return tuple(name for name, option in OPTIONS.items() if all(getattr(option, k) == v for k, v in what.items()))
+
+
+_OP_ARGUMENTS = option_names(op=True) + option_names(adds_output=True)

@@ -29,7 +29,7 @@ from .forward import (
 from .head import SLOT_ATTR, remove_interceptor
 from .lookups import inline_loss_of, is_registered, mapped_classes, output_embeddings
 from .loss_options import prepare_output_classes
-from .options import OPTIONS_ATTR, LCEOptions
+from .options import OPTION_DEFAULTS, OPTIONS_ATTR, LCEOptions, option_names
 from .refusals import inline_loss_of_type, refusal
 from .registry import REGISTRY, ArchSpec, HeadConfig, derived_spec
 from .self_check import check_against_own_forward
@@ -82,10 +82,10 @@ def options_text(opts: LCEOptions) -> str:
     """The options in force as ``name=value`` pairs: ``chunk_size`` and ``backend`` always, the others where they
     differ from their defaults."""
     shown = {"chunk_size": "auto" if opts.chunk_size is None else opts.chunk_size, "backend": opts.backend}
-    for field in dataclasses.fields(opts):
-        value = getattr(opts, field.name)
-        if field.name not in shown and value != field.default:
-            shown[field.name] = value
+    for name, default in OPTION_DEFAULTS.items():
+        value = getattr(opts, name)
+        if name not in shown and value != default:
+            shown[name] = value
     return ", ".join(f"{name}={value}" for name, value in shown.items())
 
 
@@ -118,8 +118,9 @@ def apply_fused_lce(model_or_model_type: Any, **options: Any) -> Any:
 
     ``model_or_model_type`` is a loaded model (a Hugging Face CausalLM or a PEFT model around one, patched
     in place and returned) or a ``config.model_type`` string (that architecture's classes are patched, for
-    models loaded afterwards; the tuple of patched classes is returned). Options: ``ignore_index``, ``label_smoothing``,
-    ``z_loss``, ``backend``, ``chunk_size``, ``deterministic``, ``skip_ignored``, ``fp32_weight_grad``, ``return_logits_in_eval``
+    models loaded afterwards; the tuple of patched classes is returned). Options (each in :data:`.options.OPTIONS`):
+    ``ignore_index``, ``label_smoothing``, ``z_loss``, ``backend``, ``chunk_size``, ``skip_ignored``,
+    ``fp32_weight_grad``, ``return_logits_in_eval``
     (evaluation with labels runs the model's own forward and returns the logits), ``allow_unregistered``
     (patch a model of an unregistered type after checking its fused loss and gradients against its own),
     ``class_weights`` (a [V] float tensor, finite and >= 0, V the LM head's out_features: each label's loss weight,
@@ -186,15 +187,8 @@ def apply_fused_lce(model_or_model_type: Any, **options: Any) -> Any:
         ensure_slot(model)
     if newly_patched and not getattr(model, SPEC_ATTR).registered:
         # The check compares with the model's own loss, which has none of the options that change the loss.
-        neutral = dataclasses.replace(
-            opts,
-            label_smoothing=0.0,
-            z_loss=0.0,
-            class_weights=None,
-            return_lse=False,
-            return_token_accuracy=False,
-            return_predicted_tokens=False,
-        )
+        loss_changes = option_names(changes_loss=True) + option_names(adds_output=True)
+        neutral = dataclasses.replace(opts, **{name: OPTION_DEFAULTS[name] for name in loss_changes})
         setattr(model, OPTIONS_ATTR, neutral)
         try:
             check_against_own_forward(model)

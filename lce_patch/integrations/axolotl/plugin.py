@@ -27,6 +27,7 @@ This module imports axolotl and pydantic, so it is imported only by axolotl (nev
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import importlib.metadata
 import importlib.util
@@ -36,8 +37,9 @@ from typing import Any, Literal
 
 from axolotl.integrations.base import BasePlugin
 from axolotl.utils.logging import get_logger
-from pydantic import BaseModel, Field, model_validator
+from pydantic import BaseModel, Field, create_model, model_validator
 
+from ...models import OPTIONS, LCEOptions, option_names
 from ..serving import ROWS
 
 __all__ = ["PACKAGE", "LCEPatchArgs", "LCEPatchPlugin", "is_enabled", "options_from", "patched_line"]
@@ -116,33 +118,13 @@ def _unknown_keys(data: dict[str, Any]) -> list[str]:
     return problems
 
 
-class LCEPatchArgs(BaseModel):
-    """The YAML keys of the lce_patch plugin (validated by axolotl with its own)."""
+class _PluginArgs(BaseModel):
+    """The plugin's own key, and the check of every ``lce_patch*`` key (the options' keys are added from the
+    options registry, :data:`lce_patch.models.OPTIONS`, as :class:`LCEPatchArgs`)."""
 
     lce_patch: bool | None = Field(
         default=None,
         json_schema_extra={"description": "Train with lce_patch's fused loss (default: on when the plugin is listed)."},
-    )
-    lce_patch_chunk_size: int | None = Field(
-        default=None,
-        gt=0,
-        json_schema_extra={"description": "Tokens per chunk of logits (default: chosen from the shape)."},
-    )
-    lce_patch_backend: Literal["auto", "triton", "torch"] | None = Field(
-        default=None,
-        json_schema_extra={"description": "'triton' kernels, the chunked 'torch' path, or 'auto' (the default)."},
-    )
-    lce_patch_return_logits_in_eval: bool | None = Field(
-        default=None,
-        json_schema_extra={
-            "description": "Evaluation logits: unset = where the trainer needs them, true = always, false = never."
-        },
-    )
-    lce_patch_allow_unregistered: bool | None = Field(
-        default=None,
-        json_schema_extra={
-            "description": "Patch an architecture lce_patch has no entry for, after checking it against its own loss."
-        },
     )
 
     @model_validator(mode="before")
@@ -167,6 +149,27 @@ class LCEPatchArgs(BaseModel):
         if data.get("rl"):
             _warn_if_unfused(data["rl"])
         return data
+
+
+_KEY_TYPES = {"int | None": int, "bool": bool, "bool | None": bool}  # the options' field types, as YAML values
+_FIELD_TYPES = {field.name: field.type for field in dataclasses.fields(LCEOptions)}
+
+
+def _key(name: str) -> tuple[Any, Any]:
+    """The pydantic field of option ``name``'s key: unset by default (the option's default then holds)."""
+    option = OPTIONS[name]
+    kind = Literal[option.choices] if option.choices else _KEY_TYPES[_FIELD_TYPES[name]]
+    bounds = {"gt": 0} if kind is int else {}  # the only integer key is a size
+    return kind | None, Field(default=None, json_schema_extra={"description": option.doc}, **bounds)
+
+
+AXOLOTL_KEYS = {name: f"lce_patch_{name}" for name in option_names(axolotl=True)}
+"""The options the plugin's keys set, each with its key."""
+
+LCEPatchArgs = create_model(
+    "LCEPatchArgs", __base__=_PluginArgs, __module__=__name__, **{key: _key(name) for name, key in AXOLOTL_KEYS.items()}
+)
+LCEPatchArgs.__doc__ = "The YAML keys of the lce_patch plugin (validated by axolotl with its own)."
 
 
 def _trl_has_fused_heads() -> bool:
@@ -225,13 +228,7 @@ def _warn_if_unfused(rl: Any) -> None:
 
 def options_from(cfg: Any) -> dict[str, Any]:
     """The :func:`lce_patch.apply_fused_lce` options the config's ``lce_patch_*`` keys ask for."""
-    keys = {
-        "chunk_size": "lce_patch_chunk_size",
-        "backend": "lce_patch_backend",
-        "return_logits_in_eval": "lce_patch_return_logits_in_eval",
-        "allow_unregistered": "lce_patch_allow_unregistered",
-    }
-    return {option: cfg.get(key) for option, key in keys.items() if cfg.get(key) is not None}
+    return {option: cfg.get(key) for option, key in AXOLOTL_KEYS.items() if cfg.get(key) is not None}
 
 
 def patched_line(model: Any) -> str:
@@ -242,12 +239,8 @@ def patched_line(model: Any) -> str:
     opts = getattr(inner, OPTIONS_ATTR)
     what = f"{type(inner).__name__} (model_type {getattr(inner.config, 'model_type', None)}"
     what += f", in {type(model).__name__})" if inner is not model else ")"
-    shown = {
-        "chunk_size": "auto" if opts.chunk_size is None else opts.chunk_size,
-        "backend": opts.backend,
-        "return_logits_in_eval": "auto" if opts.return_logits_in_eval is None else opts.return_logits_in_eval,
-        "allow_unregistered": opts.allow_unregistered,
-    }
+    shown = {name: getattr(opts, name) for name in AXOLOTL_KEYS}
+    shown = {name: "auto" if value is None else value for name, value in shown.items()}
     return f"lce_patch: patched {what} to train with the fused linear cross-entropy: " + ", ".join(
         f"{name}={value}" for name, value in shown.items()
     )

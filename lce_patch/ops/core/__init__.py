@@ -6,8 +6,8 @@ and the final logits of the references (``naive``).
 
 An op imports from here and from its own folder only."""
 
-from .backend import stats_dtype
+from .backend import BACKENDS, stats_dtype
 from .checks import check_weights
 from .grads import fp32_output_gemm_available
 
-__all__ = ["check_weights", "fp32_output_gemm_available", "stats_dtype"]
+__all__ = ["BACKENDS", "check_weights", "fp32_output_gemm_available", "stats_dtype"]

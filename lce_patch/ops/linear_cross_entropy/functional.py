@@ -3,6 +3,7 @@ the compiled custom operator, or the vocabulary-parallel form) on inputs checked
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -17,6 +18,16 @@ from .custom_op import compiled_linear_cross_entropy
 from .inputs import check_inputs, compute_dtype, loss_weights, low_rank_inputs, shift_labels
 from .options import OP_NAME, SCHEMA, CrossEntropyOptions, ExtraOutputs, check_flag, fail
 from .vocab_parallel import VocabShard, check_shard, is_dtensor, unwrap_dtensors
+
+
+def warn_deterministic() -> None:
+    """The ``deterministic`` argument is deprecated: every path is deterministic without it."""
+    warnings.warn(
+        f"{OP_NAME}: deterministic does nothing and will be removed: both backends are deterministic always "
+        "(no atomics, a fixed reduction order); leave it out",
+        FutureWarning,
+        stacklevel=3,
+    )
 
 
 class CrossEntropyOutputs(NamedTuple):
@@ -215,7 +226,7 @@ def fused_linear_cross_entropy(
     z_loss: float = 0.0,
     backend: str = "auto",
     chunk_size: int | None = None,
-    deterministic: bool = False,
+    deterministic: bool | None = None,
     skip_ignored: bool = False,
     num_valid_tokens: int | None = None,
     vocab_shard: VocabShard | None = None,
@@ -251,8 +262,8 @@ def fused_linear_cross_entropy(
             N/16 tokens in bf16 (bounds dW's roundings); without gradients, a trainable weight's
             chunk also takes the bytes of the dW it does not hold (never above a training step); a
             vocabulary shard's budget is once per rank of its group (fewer chunks under tensor parallelism).
-        deterministic: accepted for clarity; both backends are deterministic already (no atomics,
-            fixed reduction order), so it costs nothing.
+        deterministic: deprecated, does nothing (a FutureWarning when given): both backends are deterministic
+            always (no atomics, a fixed reduction order).
         skip_ignored: run the matmuls on the non-ignored tokens only (gathered chunk by chunk), so
             ignored tokens cost nothing: a prompt-masked SFT batch that ignores 40% of its tokens
             does 40% less work. Costs one host sync to count them; give ``num_valid_tokens`` instead
@@ -311,7 +322,8 @@ def fused_linear_cross_entropy(
         ``return_predicted_tokens``, a :class:`CrossEntropyOutputs` (loss, lse, token_accuracy,
         predicted_tokens), None for what was not asked.
     """
-    del deterministic  # every path is deterministic; kept in the signature as a documented promise
+    if deterministic is not None:
+        warn_deterministic()
     count_call(OP_NAME)
     check_reduction(reduction, num_items_in_batch, OP_NAME)
     for name, flag in (
@@ -457,7 +469,7 @@ class FusedLinearCrossEntropy(torch.nn.Module):
         z_loss: float = 0.0,
         backend: str = "auto",
         chunk_size: int | None = None,
-        deterministic: bool = False,
+        deterministic: bool | None = None,
         skip_ignored: bool = False,
     ) -> None:
         super().__init__()
@@ -474,9 +486,10 @@ class FusedLinearCrossEntropy(torch.nn.Module):
             z_loss=z_loss,
             backend=backend,
             chunk_size=chunk_size,
-            deterministic=deterministic,
             skip_ignored=skip_ignored,
         )
+        if deterministic is not None:
+            warn_deterministic()
 
     def forward(
         self,
