@@ -9,7 +9,9 @@ from the model: which of the known fields its ``forward`` applies to the logits,
 type of the installed transformers (``tests/models/test_every_architecture.py``) proved it equal
 to the unpatched model. Explicit
 entries (``_OVERRIDES``) exist only where derivation is wrong; ``UNSUPPORTED`` says why each
-remaining type is refused. A model of any other type is patched with ``allow_unregistered=True``
+remaining type is refused. A registered type is refused too on a transformers whose forward for it computes its
+loss other than through ``self.loss_function`` on the call's labels (``inline_loss_reason``, read from the code;
+``inline_loss_types``). A model of any other type is patched with ``allow_unregistered=True``
 after a self-check of its loss and every gradient against its own forward (``patch.py``).
 """
 
