@@ -42,6 +42,23 @@ CUDA_LAUNCH_CALLS = frozenset({"cudaLaunchKernel", "cudaLaunchKernelExC", "cuLau
 MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 
+# What an out of memory outside the caching allocator says: cuBLAS's workspace, NCCL's buffers, a kernel launch.
+DEVICE_OOM_MARKERS = ("out of memory", "CUBLAS_STATUS_ALLOC_FAILED", "NCCL", "unhandled cuda error", "CUDA error")
+
+
+def out_of_memory(error: BaseException) -> str | None:
+    """How ``error`` says out of memory (None when it does not): ``"out of memory"`` for the caching allocator's
+    error, else "out of memory (surfaced as: ...)" for a CUDA or NCCL error (inside ring attention's exchange an out
+    of memory came as ``NCCL Error 1: unhandled cuda error``), after which the process group and the CUDA context are
+    not to be trusted."""
+    if isinstance(error, torch.OutOfMemoryError):
+        return "out of memory"
+    text = str(error)
+    if isinstance(error, RuntimeError) and any(marker in text for marker in DEVICE_OOM_MARKERS):
+        return f"out of memory (surfaced as: {text.splitlines()[0][:200] if text else type(error).__name__})"
+    return None
+
+
 def set_exact_fp32() -> None:
     """fp32 matmuls in full fp32 (no TF32), so the reference is a reference."""
     torch.backends.cuda.matmul.allow_tf32 = False

@@ -55,7 +55,15 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from bench_common import MULTICAST_OFF, argv_without, env_info, out_path, write_json  # noqa: E402
+from bench_common import (  # noqa: E402
+    DEVICE_OOM_MARKERS,
+    MULTICAST_OFF,
+    argv_without,
+    env_info,
+    out_of_memory,
+    out_path,
+    write_json,
+)
 from model_configs import RELEASED_CONFIGS, tiny  # noqa: E402
 
 IGNORE = -100
@@ -220,24 +228,11 @@ def _batch(length: int, vocab: int, device: torch.device) -> dict[str, torch.Ten
 FAKE_LIMIT: list[int | None] = [None]
 FAKE_TIMED_LIMIT: list[int | None] = [None]
 FAKE_DEVICE_ERROR: list[int | None] = [None]
-# What an out of memory outside the caching allocator says: cuBLAS's workspace, NCCL's buffers, a kernel launch.
-DEVICE_OOM_MARKERS = ("out of memory", "CUBLAS_STATUS_ALLOC_FAILED", "NCCL", "unhandled cuda error", "CUDA error")
 DEVICE_ERROR_EXIT = 75  # a process that ends on such an error (its state is not to be trusted) exits with this
 
 
 class DeviceError(Exception):
     """A CUDA or NCCL error taken for an out of memory: the process group and CUDA context are not to be reused."""
-
-
-def out_of_memory(error: BaseException) -> str | None:
-    """How ``error`` says out of memory (None when it does not): ``"out of memory"`` for the caching allocator's
-    error, else "out of memory (surfaced as: ...)" for a CUDA / NCCL error."""
-    if isinstance(error, torch.OutOfMemoryError):
-        return "out of memory"
-    text = str(error)
-    if isinstance(error, RuntimeError) and any(marker in text for marker in DEVICE_OOM_MARKERS):
-        return f"out of memory (surfaced as: {text.splitlines()[0][:200] if text else type(error).__name__})"
-    return None
 
 
 def train_step(model, optimizer, dist: Dist, length: int, vocab: int) -> None:

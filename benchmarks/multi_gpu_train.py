@@ -46,7 +46,9 @@ then searches, per method, the largest micro-batch that trains one step without 
 Safety: after every method (and every attempt of the search) the ranks agree over a gloo group, with a timeout, on
 whether any of them failed. An out-of-memory error on some ranks only can leave the others waiting inside a
 collective: then the agreement times out, the JSON written so far is kept, and the run ends (exit status 3) rather
-than hang; so the search runs last. A method that starts with GPU memory an earlier method of the launch left
+than hang; so the search runs last. An out of memory that surfaces as a CUDA or NCCL error (as one did inside ring
+attention's exchange) is recorded as out of memory, with the error it came as; the process group is not trusted after
+it, so the launch's later methods and search attempts are recorded as not started (run them in a launch of their own). A method that starts with GPU memory an earlier method of the launch left
 allocated says so in its row. Under DeepSpeed ZeRO-3 on GPUs the script takes one method per launch: DeepSpeed
 0.19.8 keeps a destroyed engine's model and optimizer alive for the process (~30 GiB a rank for an 8B model). Under
 ``--tp`` the script removes the gradient hooks transformers' Trainer leaves on the model's replicated parameters after
@@ -170,6 +172,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="testing the search: raise torch.OutOfMemoryError in the first step of a micro-batch above B",
     )
     parser.add_argument(
+        "--simulate-oom-as",
+        choices=("allocator", "nccl"),
+        default="allocator",
+        help="testing: the simulated out of memory as torch.OutOfMemoryError, or as the NCCL error it surfaced as in "
+        "ring attention (then no later method of the launch starts)",
+    )
+    parser.add_argument(
         "--simulate-oom-rank",
         type=int,
         default=None,
@@ -285,6 +294,7 @@ class Run:
         if not args.cpu and not torch.cuda.is_available():
             raise SystemExit("no GPU: pass --cpu for the CPU smoke mode")
         self.group = None
+        self.poisoned: str | None = None  # an out of memory that surfaced as a CUDA / NCCL error, once seen
         if self.world > 1:
             # CPU-side agreement: NCCL collectives cannot time out cleanly in the middle of a stuck step.
             self.group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=args.sync_timeout_s))
@@ -349,6 +359,13 @@ class Run:
             os._exit(3)
         return gathered
 
+    def not_trusted(self) -> str | None:
+        """Why no method may start in this launch any more: an earlier one's out of memory surfaced as a CUDA or NCCL
+        error, after which the process group and the CUDA context are not to be trusted."""
+        if self.poisoned is None:
+            return None
+        return f"not started: an earlier method's {self.poisoned[:160]}; run it in a launch of its own"
+
     def over_budget(self) -> bool:
         return self.args.budget_s is not None and time.time() - self.t0 > self.args.budget_s
 
@@ -386,7 +403,7 @@ class Run:
             trainer = make_trainer(method, model, args, rows, batch, steps, clock, switch, profiler)
             simulated = args.simulate_oom_rank is None or args.simulate_oom_rank == self.rank
             if args.simulate_oom_above and batch > args.simulate_oom_above and simulated:
-                trainer.add_callback(simulated_oom_callback())
+                trainer.add_callback(simulated_oom_callback(args.simulate_oom_as))
             mine["trainer"] = type(trainer).__name__
             t_train = time.time()
             trainer.train()
@@ -413,10 +430,14 @@ class Run:
         except BaseException as error:  # report and go on; the agreement below keeps the ranks in step
             if isinstance(error, KeyboardInterrupt):
                 raise
-            oom = isinstance(error, torch.OutOfMemoryError) or "out of memory" in str(error).lower()
+            from bench_common import out_of_memory
+
+            why = out_of_memory(error)
             mine["error"] = f"{type(error).__name__}: {str(error)[:400]}"
-            mine["oom"] = oom
-            if not oom:
+            mine["oom"] = why is not None
+            if why is not None and why != "out of memory":  # a CUDA / NCCL error: the process group is suspect
+                mine["oom_surfaced_as"] = why
+            if why is None:
                 mine["traceback"] = traceback.format_exc()[-3000:]
             error.__traceback__ = None
         finally:
@@ -441,8 +462,12 @@ class Run:
         held = {"left_by_earlier_gib": round(left, 2)} if left > LEFT_BEHIND_GIB else {}
         if errors:
             first = ranks[min(errors)]
+            surfaced = [r["oom_surfaced_as"] for r in ranks if "oom_surfaced_as" in r]
+            if surfaced:  # the ranks' NCCL communicator (and CUDA context) may be broken: no method starts after it
+                self.poisoned = surfaced[0]
             return {
                 "status": "oom" if all(r.get("oom") for r in ranks if "error" in r) else "error",
+                **({"oom_surfaced_as": surfaced[0]} if surfaced else {}),
                 "error": first["error"],
                 "failed_ranks": sorted(errors),
                 "traceback": first.get("traceback"),
@@ -508,7 +533,7 @@ class Run:
     def run_methods(self) -> None:
         args = self.args
         for method in args.methods:
-            skip = missing_requirement(method, args)
+            skip = missing_requirement(method, args) or self.not_trusted()
             if skip is None and self.over_budget():
                 skip = f"not started: past --budget-s {args.budget_s:.0f}"
             if skip is not None:
@@ -533,7 +558,7 @@ class Run:
         for method in methods:
             record: dict[str, Any] = {"attempts": [], "limit": args.max_batch}
             self.report["max_batch"][method] = record
-            skip = missing_requirement(method, args)
+            skip = missing_requirement(method, args) or self.not_trusted()
             if skip is not None:
                 record.update(status="skipped", reason=skip)
                 continue
@@ -544,8 +569,8 @@ class Run:
                 record["attempts"].append({"batch": args.batch, "ok": True, "from": "the timed run"})
                 batch = 2 * args.batch if 2 * args.batch <= args.max_batch else None
             while batch is not None:
-                if self.over_budget():
-                    record["stopped"] = f"past --budget-s {args.budget_s:.0f}"
+                if self.over_budget() or self.poisoned:
+                    record["stopped"] = self.not_trusted() or f"past --budget-s {args.budget_s:.0f}"
                     break
                 ranks = self.agree(self.train(method, batch, 1))
                 failed = [r for r in ranks if "error" in r]
@@ -553,6 +578,9 @@ class Run:
                 if failed:
                     attempt["error"] = failed[0]["error"][:200]
                     attempt["oom"] = all(r.get("oom") for r in failed)
+                    surfaced = [r["oom_surfaced_as"] for r in failed if "oom_surfaced_as" in r]
+                    if surfaced:
+                        attempt["oom_surfaced_as"] = self.poisoned = surfaced[0]
                 else:
                     peaks = [r["peak_gib"] for r in ranks if "peak_gib" in r]
                     attempt["peak_gib"] = round(max(peaks), 3) if peaks else None

@@ -220,13 +220,16 @@ def interleaved_summary(step_s: list[float], variants: list[str], switch_s: list
     return out
 
 
-def simulated_oom_callback():
-    """A callback raising torch.OutOfMemoryError at the first step (--simulate-oom-above)."""
+def simulated_oom_callback(surfaced_as: str = "allocator"):
+    """A callback raising an out of memory at the first step (--simulate-oom-above): the caching allocator's
+    torch.OutOfMemoryError, or (``surfaced_as="nccl"``) the NCCL error one surfaced as inside ring attention."""
     import torch
     from transformers import TrainerCallback
 
     class Callback(TrainerCallback):
         def on_step_begin(self, args, state, control, **kwargs):
+            if surfaced_as == "nccl":
+                raise RuntimeError("NCCL Error 1: unhandled cuda error (simulated by --simulate-oom-above)")
             raise torch.OutOfMemoryError("CUDA out of memory (simulated by --simulate-oom-above)")
 
     return Callback()

@@ -193,6 +193,28 @@ def test_cpu_smoke_failure_on_one_rank_ends_the_run(tmp_path):
     assert report["methods"] == {}  # nothing measured, nothing invented
 
 
+@pytest.mark.slow
+def test_cpu_smoke_out_of_memory_surfacing_as_an_nccl_error(tmp_path):
+    # An out of memory that surfaces as an NCCL error on every rank is recorded as out of memory, with the error it
+    # came as; the process group is not trusted after it, so the later methods are recorded as not started.
+    report = _launch(
+        tmp_path,
+        "--methods",
+        "unpatched,lce_patch",
+        "--batch",
+        "2",
+        "--simulate-oom-above",
+        "1",
+        "--simulate-oom-as",
+        "nccl",
+        timeout=300,
+        status=1,
+    )
+    first, second = report["methods"]["unpatched"], report["methods"]["lce_patch"]
+    assert first["status"] == "oom" and first["oom_surfaced_as"].startswith("out of memory (surfaced as: NCCL Error 1")
+    assert second["status"] == "skipped" and "run it in a launch of its own" in second["reason"]
+
+
 @pytest.mark.parametrize("name", ["llama-3.1-8b", "qwen2.5-7b", "gemma-2-9b", "llama-3.1-8b-lora"])
 def test_build_initialises_every_buffer(name):
     # Built on the meta device and materialised with to_empty: every buffer (RoPE frequencies, Gemma's embedding
