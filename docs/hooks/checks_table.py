@@ -1,18 +1,26 @@
-"""MkDocs hook: the Distributed page's table of the multi-GPU checks, generated from the raw files of the newest
-``benchmarks/checks/run_all.py`` run in ``benchmarks/results/`` (``*_run_all_checks_<commit>.json`` and the checks'
-own JSON files of that commit), so the page can neither drift from them nor cite a run without its file.
+"""MkDocs hook: tables generated from the raw files in ``benchmarks/results/`` when the docs are built, so a page can
+neither drift from them nor cite a run without its file:
 
-The page marks the spot with ``<!-- multi-gpu-checks -->``. Standard library only.
+  * the Distributed page's table of the multi-GPU checks (the spot marked ``<!-- multi-gpu-checks -->``), from the
+    newest ``benchmarks/checks/run_all.py`` run (``*_run_all_checks_<commit>.json`` and the checks' own JSON files of
+    that commit);
+  * the multi-GPU benchmark page's table (its include of ``docs/assets/multi-gpu-benchmark.md``), from the
+    ``multi_gpu_train.py`` files ``benchmarks/plot_multi_gpu.py`` charts, through that script's own ``table``.
+
+Standard library only.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import re
 from pathlib import Path
 
-RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
+REPO = Path(__file__).resolve().parents[2]
+RESULTS = REPO / "benchmarks" / "results"
 MARKER = "<!-- multi-gpu-checks -->"
+BENCHMARK_INCLUDE = '--8<-- "docs/assets/multi-gpu-benchmark.md"'
 # run_all.py's launches: what each is, and how its JSON names itself (check, mode or layout)
 LAUNCHES = {
     "ddp": ("DDP", "multi_gpu_check", "DDP"),
@@ -96,7 +104,21 @@ def checks_table(results: Path = RESULTS) -> str:
     return "\n".join(lines)
 
 
+def benchmark_table() -> str:
+    """The multi-GPU benchmark's table, made from the raw files as ``plot_multi_gpu.py`` makes it beside its chart."""
+    spec = importlib.util.spec_from_file_location(
+        "_lce_patch_plot_multi_gpu", REPO / "benchmarks" / "plot_multi_gpu.py"
+    )
+    plot = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(plot)
+    columns = list(plot.DEFAULT_RESULTS)
+    sources = [" + ".join(plot._source(path) for path in plot._column_paths(column)) for column in columns]
+    return plot.table(plot.load_runs(columns), sources)
+
+
 def on_page_markdown(markdown, page, config, files):
     if MARKER in markdown:
-        return markdown.replace(MARKER, checks_table())
+        markdown = markdown.replace(MARKER, checks_table())
+    if BENCHMARK_INCLUDE in markdown:
+        markdown = markdown.replace(BENCHMARK_INCLUDE, benchmark_table())
     return markdown

@@ -37,3 +37,13 @@ def test_the_page_marker_is_replaced(tmp_path):
     assert hook.MARKER in page
     assert hook.MARKER not in hook.on_page_markdown(page, None, None, None)
     assert "no run of" in hook.checks_table(tmp_path)  # no raw files: said in words
+
+
+def test_the_benchmark_table_is_made_from_the_raw_files_as_the_script_makes_it():
+    # The page's table comes from the raw files at build time; the committed copy beside the chart says the same.
+    hook = _hook()
+    assert hook.benchmark_table() == (REPO / "docs" / "assets" / "multi-gpu-benchmark.md").read_text()
+    page = (REPO / "docs" / "multi-gpu-benchmark.md").read_text()
+    assert hook.BENCHMARK_INCLUDE in page and hook.BENCHMARK_INCLUDE not in hook.on_page_markdown(
+        page, None, None, None
+    )
