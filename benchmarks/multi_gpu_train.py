@@ -41,7 +41,8 @@ Measured per method: tokens/s per GPU (tokens of the global batch / step time / 
 steps after ``--warmup``, step time = between consecutive ends of optimizer steps, so data, loss, backward,
 gradient clipping and the optimizer are all in), its spread (min-max over those steps), peak allocated GPU memory
 (the maximum over ranks, from the first step on: the optimizer states included), the logged losses. ``--max-batch``
-then searches, per method, the largest micro-batch that trains one step without running out of memory.
+then searches, per method, the largest micro-batch that trains ``--max-batch-steps`` optimizer steps (default 2:
+AdamW's states, made in the first step, then sit beside the second step's activations) without running out of memory.
 
 Safety: after every method (and every attempt of the search) the ranks agree over a gloo group, with a timeout, on
 whether any of them failed. An out-of-memory error on some ranks only can leave the others waiting inside a
@@ -134,11 +135,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=int,
         default=0,
         metavar="LIMIT",
-        help="after the timed runs, search the largest micro-batch up to LIMIT that trains one step per method "
+        help="after the timed runs, search the largest micro-batch up to LIMIT that trains --max-batch-steps steps per method "
         "(doubling, then bisection); 0: no search",
     )
     parser.add_argument(
         "--max-batch-methods", default=None, help="methods to search (default: those of --methods that ran)"
+    )
+    parser.add_argument(
+        "--max-batch-steps",
+        type=int,
+        default=2,
+        help="optimizer steps each micro-batch of the search must train (2: the optimizer's states, made in the "
+        "first, sit beside the second's activations; 1 measures the first step alone)",
     )
     parser.add_argument(
         "--budget-s",
@@ -203,6 +211,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         if INTERLEAVED in args.max_batch_methods:
             parser.error(f"--max-batch-methods: {INTERLEAVED} switches its loss step by step; search its two "
                          "methods, unpatched and lce_patch")  # fmt: skip
+    if args.max_batch_steps < 1:
+        parser.error("--max-batch-steps must be >= 1")
     if args.seq_len < 16 or args.batch < 1 or args.steps < 1 or args.warmup < 0 or args.tp < 1:
         parser.error("--seq-len >= 16, --batch >= 1, --steps >= 1, --warmup >= 0 and --tp >= 1 are needed")
     if args.layers is not None and args.layers < 1:
@@ -556,7 +566,7 @@ class Run:
             m for m in args.methods if m != INTERLEAVED and self.report["methods"].get(m, {}).get("status") == "ok"
         ]
         for method in methods:
-            record: dict[str, Any] = {"attempts": [], "limit": args.max_batch}
+            record: dict[str, Any] = {"attempts": [], "limit": args.max_batch, "steps": args.max_batch_steps}
             self.report["max_batch"][method] = record
             skip = missing_requirement(method, args) or self.not_trusted()
             if skip is not None:
@@ -572,7 +582,7 @@ class Run:
                 if self.over_budget() or self.poisoned:
                     record["stopped"] = self.not_trusted() or f"past --budget-s {args.budget_s:.0f}"
                     break
-                ranks = self.agree(self.train(method, batch, 1))
+                ranks = self.agree(self.train(method, batch, args.max_batch_steps))
                 failed = [r for r in ranks if "error" in r]
                 attempt: dict[str, Any] = {"batch": batch, "ok": not failed}
                 if failed:
