@@ -5,7 +5,9 @@ neither drift from them nor cite a run without its file:
     newest ``benchmarks/checks/run_all.py`` run (``*_run_all_checks_<commit>.json`` and the checks' own JSON files of
     that commit);
   * the multi-GPU benchmark page's table (its include of ``docs/assets/multi-gpu-benchmark.md``), from the
-    ``multi_gpu_train.py`` files ``benchmarks/plot_multi_gpu.py`` charts, through that script's own ``table``.
+    ``multi_gpu_train.py`` files ``benchmarks/plot_multi_gpu.py`` charts, through that script's own ``table``;
+  * the Long context page's two tables (``<!-- long-context-longest -->``, ``<!-- long-context-throughput -->``), from
+    the ``long_context.py`` files named in ``LONG_CONTEXT`` below.
 
 Standard library only.
 """
@@ -116,9 +118,76 @@ def benchmark_table() -> str:
     return plot.table(plot.load_runs(columns), sources)
 
 
+# The Long context page's rows: (label, shape, the search's file, the timed run's file), 4 x H100, 2026-11-27
+_LC = "2026-11-27_4xh100_long_context_"
+LONG_CONTEXT = (
+    ("Llama-3.1-8B, 1 GPU", "llama3.1-8b", "search_w1_llama3.1-8b", "timed_w1_llama3.1-8b"),
+    ("Llama-3.1-8B, context parallelism, 2 GPUs", "llama3.1-8b", "search_cp_w2_llama3.1-8b", "timed_cp_w2_llama3.1-8b"),
+    ("Llama-3.1-8B, context parallelism, 4 GPUs", "llama3.1-8b", "cp_w4_llama3.1-8b", "cp_w4_llama3.1-8b"),
+    (
+        "Llama-3.1-8B, FSDP2 + Ulysses attention, 2 GPUs",
+        "llama3.1-8b",
+        "ulysses_w2_llama3.1-8b",
+        "ulysses_w2_llama3.1-8b",
+    ),
+    (
+        "Llama-3.1-8B, FSDP2 + Ulysses attention, 4 GPUs",
+        "llama3.1-8b",
+        "ulysses_w4_llama3.1-8b",
+        "ulysses_w4_llama3.1-8b",
+    ),
+    ("Qwen2.5-7B, 1 GPU", "qwen2.5-7b", "search_w1_qwen2.5-7b", "timed_w1_qwen2.5-7b"),
+)
+LONGEST_MARKER = "<!-- long-context-longest -->"
+THROUGHPUT_MARKER = "<!-- long-context-throughput -->"
+SETUPS = (("unpatched", "unpatched"), ("lce_patch", "lce_patch"), ("liger", "Liger's fused loss"))
+
+
+def _longest(found: dict) -> str:
+    """``longest (peak GiB there; the next length tried, out of memory)``, or ``≥ longest (peak)`` when no longer
+    length was tried or none ran out of memory."""
+    trials = {int(n): t for n, t in found.get("trials", {}).items()}
+    longest = found.get("longest", 0)
+    peak = (trials.get(longest) or {}).get("peak_gib")
+    failed = sorted(n for n, t in trials.items() if not t["ok"] and n > longest)
+    peak_text = "–" if peak is None else f"{peak:.1f}"
+    if failed:
+        return f"{longest} ({peak_text} GiB; {failed[0]} out of memory)"
+    return f"≥ {longest} ({peak_text} GiB)"
+
+
+def long_context_tables(results: Path = RESULTS) -> tuple[str, str]:
+    """The longest length each setup trained (and its peak), and tokens/s at the longest length all fit."""
+    longest = [
+        "| setup | " + " | ".join(label for _, label in SETUPS) + " | raw file |",
+        "|---" * (len(SETUPS) + 2) + "|",
+    ]
+    timed = [
+        "| setup, length | " + " | ".join(label for _, label in SETUPS) + " | raw file |",
+        "|---" * (len(SETUPS) + 2) + "|",
+    ]
+    for label, shape, search, run in LONG_CONTEXT:
+        found = json.loads((results / f"{_LC}{search}.json").read_text())["results"][shape]
+        cells = [_longest(found[key]) if key in found else "not run" for key, _ in SETUPS]
+        longest.append(f"| {label} | " + " | ".join(cells) + f" | `{_LC}{search}.json` |")
+        rows = json.loads((results / f"{_LC}{run}.json").read_text()).get("throughput", {}).get(shape, {})
+        length = next((row["length"] for row in rows.values()), "–")
+        cells = [
+            f"{rows[key]['tokens_per_s']:.0f} / {rows[key]['peak_gib']:.2f}"
+            if key in rows and rows[key].get("ok") and rows[key].get("tokens_per_s")
+            else "not timed"
+            for key, _ in SETUPS
+        ]
+        timed.append(f"| {label}, {length} | " + " | ".join(cells) + f" | `{_LC}{run}.json` |")
+    return "\n".join(longest), "\n".join(timed)
+
+
 def on_page_markdown(markdown, page, config, files):
     if MARKER in markdown:
         markdown = markdown.replace(MARKER, checks_table())
+    if LONGEST_MARKER in markdown or THROUGHPUT_MARKER in markdown:
+        longest, timed = long_context_tables()
+        markdown = markdown.replace(LONGEST_MARKER, longest).replace(THROUGHPUT_MARKER, timed)
     if BENCHMARK_INCLUDE in markdown:
         markdown = markdown.replace(BENCHMARK_INCLUDE, benchmark_table())
     return markdown

@@ -47,3 +47,17 @@ def test_the_benchmark_table_is_made_from_the_raw_files_as_the_script_makes_it()
     assert hook.BENCHMARK_INCLUDE in page and hook.BENCHMARK_INCLUDE not in hook.on_page_markdown(
         page, None, None, None
     )
+
+
+def test_the_long_context_tables_come_from_their_raw_files():
+    hook = _hook()
+    longest, timed = hook.long_context_tables()
+    for table in (longest, timed):
+        rows = [line for line in table.splitlines()[2:]]
+        assert len(rows) == len(hook.LONG_CONTEXT)
+        for row in rows:
+            (name,) = re.findall(r"`([^`]+\.json)`", row)
+            assert (REPO / "benchmarks" / "results" / name).is_file()
+    assert "out of memory" in longest and "≥" in longest  # the unpatched limits found, the fused ones bracketed
+    page = hook.on_page_markdown((REPO / "docs" / "long-context.md").read_text(), None, None, None)
+    assert hook.LONGEST_MARKER not in page and hook.THROUGHPUT_MARKER not in page and longest in page
