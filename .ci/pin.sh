@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
-# Refresh CI's pins: `bash .ci/pin.sh`, then `bash .ci/run`, then commit the two files it writes.
+# Refresh CI's pins: `bash .ci/pin.sh`, then `bash .ci/run`, then commit the files it writes.
 #
 # CI installs every tool and library from these files, so its result depends on the code, not on the day:
 #   .ci/constraints.txt           the tests', docs' and packaging environment (and the installed wheel's)
 #   .ci/axolotl-constraints.txt   axolotl's own environment (tests/integrations/test_axolotl.py)
+#   .ci/llamafactory-constraints.txt, .ci/swift-constraints.txt   LLaMA-Factory's and ms-swift's, installed from them
+#                                 exactly (.ci/frontend_env.sh; tests/integrations/test_llamafactory.py, test_swift.py)
 #   .ci/floors-constraints.txt    the oldest versions pyproject.toml declares (.ci/floors_env.sh)
 # This script resolves, in scratch environments, the newest versions the package index serves today for what
 # .ci/run installs, and writes them there. The versions held below stay as they are until changed here.
@@ -16,6 +18,9 @@ torch_version=2.13.0       # the CPU build on the CI machine's disk
 deepspeed_version=0.19.8   # the ZeRO checks on CPU processes
 bitsandbytes_version=0.50.2
 axolotl_version=0.19.0     # the newest release for Python 3.11
+llamafactory_version=0.9.5
+torchaudio_version=2.11.1  # the newest; LLaMA-Factory imports it (.ci/frontend_env.sh)
+swift_version=4.6.0        # ms-swift
 
 export PIP_NO_CACHE_DIR=1
 scratch=$(mktemp -d)
@@ -84,5 +89,40 @@ tools=$(grep -iE '^(pytest|pytest-xdist|hypothesis|requests|triton)==' .ci/const
     "$fl" -m pip freeze --all | sort -f
 } > .ci/floors-constraints.txt
 
+# LLaMA-Factory's environment (.ci/frontend_env.sh llamafactory): its requirements beside the CPU torch, less
+# torchvision (not imported by text SFT) and torchaudio (installed alone: no release is built for this torch; see
+# .ci/frontend_env.sh).
+python3 -m venv "$scratch/llamafactory"
+lf="$scratch/llamafactory/bin/python"
+"$lf" -m pip install -q --upgrade pip
+"$lf" -m pip install -q "torch==$torch_version"
+"$lf" -m pip install -q --no-deps "llamafactory==$llamafactory_version" "torchaudio==$torchaudio_version"
+"$lf" - > "$scratch/llamafactory-requirements.txt" <<'PY'
+import importlib.metadata, re
+for requirement in importlib.metadata.requires("llamafactory"):
+    name = re.split(r"[\s<>=!~;\[(]", requirement, maxsplit=1)[0].lower()
+    if "extra ==" not in requirement and name not in ("torch", "torchaudio", "torchvision"):
+        print(requirement)
+PY
+"$lf" -m pip install -q "torch==$torch_version" -r "$scratch/llamafactory-requirements.txt"
+{
+    header
+    "$lf" -m pip freeze --all | sort -f
+} > .ci/llamafactory-constraints.txt
+
+# ms-swift's environment (.ci/frontend_env.sh swift): it asks for no torch; the CPU one first.
+python3 -m venv "$scratch/swift"
+sw="$scratch/swift/bin/python"
+"$sw" -m pip install -q --upgrade pip
+"$sw" -m pip install -q "torch==$torch_version"
+"$sw" -m pip install -q "ms-swift==$swift_version"
+{
+    header
+    "$sw" -m pip freeze --all | sort -f
+} > .ci/swift-constraints.txt
+
 echo "wrote .ci/constraints.txt ($(grep -vc '^#' .ci/constraints.txt) pins) and .ci/axolotl-constraints.txt ($(grep -vc '^#' .ci/axolotl-constraints.txt) pins)"
 echo "wrote .ci/floors-constraints.txt ($(grep -vc '^#' .ci/floors-constraints.txt) pins)"
+for name in llamafactory swift; do
+    echo "wrote .ci/$name-constraints.txt ($(grep -vc '^#' ".ci/$name-constraints.txt") pins)"
+done
