@@ -171,9 +171,16 @@ def _labels_given_to_loss_function(forward) -> str | None:
         given = next((k.value for k in node.keywords if k.arg == "labels"), None)
         if given is None and len(node.args) > 1 and not isinstance(node.args[1], ast.Starred):
             given = node.args[1]
-        if given is not None and not (isinstance(given, ast.Name) and given.id == "labels"):
+        if given is not None and not _is_the_calls_labels(given):
             return ast.unparse(given)
     return None
+
+
+def _is_the_calls_labels(node: ast.expr) -> bool:
+    """``labels``, or ``labels.to(...)`` (moved to the logits' device: the same labels)."""
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "to":
+        node = node.func.value
+    return isinstance(node, ast.Name) and node.id == "labels"
 
 
 @functools.cache

@@ -67,10 +67,28 @@ class HelperLossLM(LlamaForCausalLM):
         return None if labels is None else self.loss_function(logits, labels, self.config.vocab_size)
 
 
+class ShiftedLabelsLM(LlamaForCausalLM):
+    """A forward passing its loss_function labels it shifted itself (Moshi on transformers 5.6)."""
+
+    def forward(self, input_ids=None, labels=None, **kwargs):
+        logits = self.lm_head(self.model(input_ids=input_ids).last_hidden_state)
+        shift_labels = labels[..., 1:].contiguous()
+        loss = self.loss_function(logits[..., :-1, :], shift_labels, vocab_size=self.config.vocab_size)
+        return CausalLMOutputWithPast(loss=loss, logits=logits)
+
+
+class MovedLabelsLM(LlamaForCausalLM):
+    def forward(self, input_ids=None, labels=None, **kwargs):
+        logits = self.lm_head(self.model(input_ids=input_ids).last_hidden_state)
+        loss = self.loss_function(logits, labels.to(logits.device), vocab_size=self.config.vocab_size)
+        return CausalLMOutputWithPast(loss=loss, logits=logits)
+
+
 def test_inline_losses_are_read_from_the_code():
     assert "a CrossEntropyLoss on the logits" in inline_loss_reason(InlineLossLM.forward, InlineLossLM)
     assert "cross_entropy on the logits" in inline_loss_reason(FunctionalLossLM.forward, FunctionalLossLM)
-    for cls in (LlamaForCausalLM, SuperForwardLM, HelperLossLM):
+    assert "labels of its own (shift_labels)" in inline_loss_reason(ShiftedLabelsLM.forward, ShiftedLabelsLM)
+    for cls in (LlamaForCausalLM, SuperForwardLM, HelperLossLM, MovedLabelsLM):
         assert inline_loss_reason(cls.forward, cls) is None, cls.__name__
 
 
