@@ -185,9 +185,29 @@ def cells(row: dict, columns: tuple[tuple[str, str], ...]) -> str:
     return " | ".join(fmt(row.get(key), spec) for key, spec in columns)
 
 
-def write_markdown(report: str, result: dict, args, seconds: float) -> None:
-    """A benchmark's markdown report: the launches it skipped past ``--budget-min`` added, written to ``--md`` (or
-    beside ``--out``), printed with the time it took."""
+def add_timing_args(parser, rounds: int, budget_min: float, out_name: str) -> None:
+    """The op benchmarks' do_bench and report options: --warmup, --rep, --min-reps, --rounds, --budget-min, --out
+    (default ``$OUT/out_name`` when OUT is set), --md."""
+    parser.add_argument("--warmup", type=float, default=25, help="do_bench warm-up, ms")
+    parser.add_argument("--rep", type=float, default=100, help="do_bench repetition window, ms (at least)")
+    parser.add_argument("--min-reps", type=int, default=8, help="widen the window to this many calls")
+    parser.add_argument(
+        "--rounds", type=int, default=rounds, help="timing rounds over all methods; the median is reported"
+    )
+    parser.add_argument(
+        "--budget-min", type=float, default=budget_min, help="start no new shape after this many minutes"
+    )
+    default_out = os.path.join(os.environ["OUT"], out_name) if os.environ.get("OUT") else None
+    parser.add_argument("--out", default=default_out, help=f"JSON path (default $OUT/{out_name} if OUT is set)")
+    parser.add_argument("--md", default=None, help="markdown report path (default: --out with .md)")
+
+
+def write_markdown(title: str, result: dict, args, seconds: float, table, summary, summary_title: str) -> None:
+    """A benchmark's markdown report: ``title``, ``table(block)`` per shape, ``summary(blocks)`` under
+    ``summary_title``, the shapes skipped past ``--budget-min``; written to ``--md`` (or beside ``--out``) and
+    printed with the time it took."""
+    blocks = result["blocks"]
+    report = f"{title}\n\n" + "\n".join(table(b) for b in blocks) + f"\n### {summary_title}\n\n" + summary(blocks)
     if result["skipped"]:
         report += f"\nnot run (over --budget-min {args.budget_min}): {', '.join(result['skipped'])}\n"
     md = args.md or (os.path.splitext(args.out)[0] + ".md" if args.out else None)

@@ -52,7 +52,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
 import statistics
 import sys
 import time
@@ -63,6 +62,7 @@ import torch.nn.functional as F
 from bench_common import (
     ERROR_COLUMNS,
     IGNORE,
+    add_timing_args,
     cells,
     env_info,
     fmt,
@@ -405,14 +405,7 @@ def main(argv=None) -> int:
     p.add_argument("--methods", default=",".join(METHODS), help=f"from {METHODS + OPTIONAL_METHODS}")
     p.add_argument("--chunk-sizes", default="", help="comma list of chunk_size values: adds lce_patch_skip[c=...] rows")
     p.add_argument("--quick", action="store_true", help="llama3-8b and gemma2-2b, peaked data only")
-    p.add_argument("--warmup", type=float, default=25, help="do_bench warm-up, ms")
-    p.add_argument("--rep", type=float, default=100, help="do_bench repetition window, ms (at least)")
-    p.add_argument("--min-reps", type=int, default=8, help="widen the window to this many calls")
-    p.add_argument("--rounds", type=int, default=3, help="timing rounds over all methods; the median is reported")
-    p.add_argument("--budget-min", type=float, default=8.0, help="start no new shape after this many minutes")
-    default_out = os.path.join(os.environ["OUT"], "bench.json") if os.environ.get("OUT") else None
-    p.add_argument("--out", default=default_out, help="JSON path (default $OUT/bench.json if OUT is set)")
-    p.add_argument("--md", default=None, help="markdown report path (default: --out with .md)")
+    add_timing_args(p, rounds=3, budget_min=8.0, out_name="bench.json")
     args = p.parse_args(argv)
 
     if args.quick:
@@ -453,16 +446,13 @@ def main(argv=None) -> int:
                     json.dump(result, fh, indent=1)
 
     env = result["env"]
-    report = (
+    title = (
         f"## lce_patch benchmark: {env['device']}, torch {env['torch']}, triton {env['triton']}, "
         f"liger {env['liger_kernel']}, cce {env['cut_cross_entropy']}, trl {env['trl']} "
         f"(backward import: {env.get('trl_backward_import')}), lce_patch {env['lce_patch']} ({env['git']}), "
-        f"{env['date']}; bf16 mm {tflops:.0f} TFLOP/s\n\n"
-        + "\n".join(table(block) for block in result["blocks"])
-        + "\n### Summary\n\n"
-        + summary(result["blocks"])
+        f"{env['date']}; bf16 mm {tflops:.0f} TFLOP/s"
     )
-    write_markdown(report, result, args, time.time() - t_start)
+    write_markdown(title, result, args, time.time() - t_start, table, summary, "Summary")
     return 0
 
 

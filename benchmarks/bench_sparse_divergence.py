@@ -75,7 +75,18 @@ import types
 
 import torch
 import torch.nn.functional as F
-from bench_common import ERROR_COLUMNS, cells, env_info, fmt, free, rel_err, rel_l2, set_exact_fp32, write_markdown
+from bench_common import (
+    ERROR_COLUMNS,
+    add_timing_args,
+    cells,
+    env_info,
+    fmt,
+    free,
+    rel_err,
+    rel_l2,
+    set_exact_fp32,
+    write_markdown,
+)
 
 # name: (N, D, V, K)
 MODELS = {"qwen2.5-1.5b": (1536, 151936), "llama3.2-1b": (2048, 128256)}
@@ -587,14 +598,7 @@ def main(argv=None) -> int:
     p.add_argument("--kd-temperature", type=float, default=1.0, help="axolotl's kd_temperature (default 1)")
     p.add_argument("--device", default="cuda", help="cuda (default) or cpu (smoke test with the tiny shapes)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--warmup", type=float, default=25, help="do_bench warm-up, ms")
-    p.add_argument("--rep", type=float, default=100, help="do_bench repetition window, ms (at least)")
-    p.add_argument("--min-reps", type=int, default=8, help="widen the window to this many calls")
-    p.add_argument("--rounds", type=int, default=2, help="timing rounds over all methods; the median is reported")
-    p.add_argument("--budget-min", type=float, default=3.5, help="start no new shape after this many minutes")
-    default_out = os.path.join(os.environ["OUT"], "bench_sparse_divergence.json") if os.environ.get("OUT") else None
-    p.add_argument("--out", default=default_out, help="JSON path (default $OUT/bench_sparse_divergence.json)")
-    p.add_argument("--md", default=None, help="markdown report path (default: --out with .md)")
+    add_timing_args(p, rounds=2, budget_min=3.5, out_name="bench_sparse_divergence.json")
     args = p.parse_args(argv)
 
     if args.quick:
@@ -631,16 +635,14 @@ def main(argv=None) -> int:
             with open(args.out, "w") as fh:
                 json.dump(result, fh, indent=1)
 
-    report = (
+    title = (
         f"## Top-K distillation losses: {env['device']}, torch {env['torch']}, triton {env['triton']}, "
         f"trl {env['trl']}, liger-kernel {env['liger_kernel']}, axolotl {env['axolotl']}, "
         f"lce_patch {env['lce_patch']} ({env['git']}), {env['date']}; bf16 h and W, fwd+bwd (dh, dW); "
-        f"axolotl kd_temperature {args.kd_temperature:g}\n\n{peers_line()}\n\n"
-        + "\n".join(table(block) for block in result["blocks"])
-        + "\n### Summary (peer over lce_patch, same loss definition)\n\n"
-        + summary(result["blocks"])
+        f"axolotl kd_temperature {args.kd_temperature:g}\n\n{peers_line()}"
     )
-    write_markdown(report, result, args, time.time() - t_start)
+    summary_title = "Summary (peer over lce_patch, same loss definition)"
+    write_markdown(title, result, args, time.time() - t_start, table, summary, summary_title)
     return 0
 
 
