@@ -270,6 +270,12 @@ class LossFunctionStandIn:
         self.previous = previous
         self.default = default
 
+    @property
+    def __signature__(self) -> inspect.Signature:
+        # the replaced function's: trainers read it (axolotl checks it for num_items_in_batch to decide how the
+        # loss is averaged under gradient accumulation), and the fused loss takes what that function takes
+        return inspect.signature(self.previous or self.default)
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         slot = self.slot
         job = slot.job

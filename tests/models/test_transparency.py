@@ -10,6 +10,7 @@ one-time warning instead of silently computing something else.
 from __future__ import annotations
 
 import copy
+import inspect
 import io
 import multiprocessing
 import pickle
@@ -23,7 +24,7 @@ from transformers import LlamaForCausalLM
 import lce_patch
 from lce_patch.models import is_patched
 
-from .tiny import VOCAB, assert_close, assert_grads_match, assert_trains_equal, pair, tiny_model
+from .tiny import VOCAB, assert_close, assert_grads_match, assert_trains_equal, make_batch, pair, tiny_model
 
 
 def _batch(seed: int, batch: int = 2, length: int = 12) -> dict:
@@ -416,3 +417,16 @@ def test_concurrent_calls_from_threads(patch):
     assert len(results) == len(expected)
     for index, value in results.items():
         assert value == pytest.approx(expected[index], rel=1e-5), index
+
+
+def test_the_loss_functions_signature_is_the_models_own():
+    # Trainers read it: axolotl looks for num_items_in_batch there to decide how the loss is averaged over
+    # gradient accumulation, so the stand-in the patch installs must not hide it behind (*args, **kwargs)
+    model, reference = pair("llama")
+    lce_patch.apply_fused_lce(model, backend="torch")
+    model.train()
+    model(**make_batch("ignored_labels", torch.Generator().manual_seed(5)))  # installs the stand-in
+    assert type(model.__dict__["_loss_function"]).__name__ == "LossFunctionStandIn"
+    signature = inspect.signature(model.loss_function)
+    assert signature == inspect.signature(reference.loss_function)
+    assert "num_items_in_batch" in signature.parameters
