@@ -11,6 +11,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import torch
 
 from lce_patch.integrations.launch import SITE_DIR, launch_environment
 from tests.multiprocess import torchrun_args
@@ -156,3 +157,43 @@ def test_the_launcher_environment_and_its_errors(tmp_path):
     result = subprocess.run([sys.executable, "-m", "lce_patch", "run", "--", "no-such-command-here"],
                             capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})  # fmt: skip
     assert result.returncode == 127 and "command not found" in result.stderr
+
+
+def test_the_launchers_callback_is_added_once_and_gives_way_to_the_programs(tmp_path, monkeypatch):
+    # In-process, on a Trainer subclass (the launcher wraps transformers.Trainer itself only in a launched process)
+    from transformers import Trainer, TrainingArguments
+
+    from lce_patch import FusedLCECallback
+    from lce_patch.integrations.launch import OPTIONS_ENV, install
+    from tests.models.tiny import VOCAB, tiny_model
+
+    args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=2, max_steps=2, use_cpu=True,
+                             report_to=[], save_strategy="no", disable_tqdm=True)  # fmt: skip
+    generator = torch.Generator().manual_seed(0)
+    rows = [dict(input_ids=ids, labels=ids) for ids in torch.randint(0, VOCAB, (4, 12), generator=generator)]
+
+    monkeypatch.setenv(OPTIONS_ENV, '{"chunk_size": 8}')
+
+    class Launched(Trainer):
+        pass
+
+    install(Launched, Trainer.__init__)
+
+    def fused_callbacks(trainer):
+        return [c for c in trainer.callback_handler.callbacks if isinstance(c, FusedLCECallback)]
+
+    trainer = Launched(model=tiny_model("llama"), args=args, train_dataset=rows)
+    [ours] = fused_callbacks(trainer)
+    assert ours.options == {"chunk_size": 8}
+    # one the program adds after construction takes its place, its options on the model
+    theirs = FusedLCECallback(chunk_size=16)
+    trainer.add_callback(theirs)
+    assert fused_callbacks(trainer) == [theirs]
+    assert trainer.model._lce_patch_options.chunk_size == 16
+    trainer.train()
+    [outcome] = theirs.outcomes
+    assert outcome["fused"] and "chunk_size=16" in outcome["line"]
+    # one given at construction is kept, not doubled
+    given = FusedLCECallback()
+    trainer = Launched(model=tiny_model("llama"), args=args, train_dataset=rows, callbacks=[given])
+    assert fused_callbacks(trainer) == [given]

@@ -30,6 +30,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from ...models import apply_fused_lce, is_patched, unannounced, unwrap_causal_lm
 from ...ops import op_calls
 from ..trainer import FusedLCECallback
 
@@ -112,7 +113,9 @@ def install(trainer_class: type, original_init: Any) -> None:
                 if any(existing is ours for ours in launchers):
                     self.callback_handler.remove_callback(existing)
                     added = callback() if isinstance(callback, type) else callback
-                    added.patch_model(self.model)  # patching again replaces the options on the model
+                    if self.model is not None and is_patched(unwrap_causal_lm(self.model)):
+                        with unannounced():  # patching again replaces the options; the callback's line says it
+                            apply_fused_lce(self.model, **added.options)
                     for i, (name, ours, _) in enumerate(_TRAINERS):
                         if ours is existing:
                             _TRAINERS[i] = (name, added, False)
