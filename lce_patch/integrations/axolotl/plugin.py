@@ -218,8 +218,8 @@ def _warn_if_unfused(rl: Any) -> None:
     except importlib.metadata.PackageNotFoundError:
         trl_version = "(not installed)"
     LOG.warning(
-        "lce_patch: `rl: %s` trains with TRL %s, and %s. The model stays patched, but this training runs unfused, "
-        "with the losses of a run without the plugin.",
+        "lce_patch: `rl: %s` trains with TRL %s, and %s. The model's patch is taken off for this training, which runs "
+        "unfused, with the losses of a run without the plugin.",
         mode,
         trl_version,
         reason,
