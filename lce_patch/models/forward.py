@@ -179,20 +179,23 @@ class LossJob:
         token_weights = None
         if self.token_weights is not None:
             token_weights = op_token_weights(self.token_weights, shift, hidden.device)
+        # the model's options and the call's, as the op's one options object: a call's ignore_index wins, a count
+        # taken already skips
+        op_options = options.op_options(
+            ignore_index=self.ignore_index,
+            skip_ignored=options.skip_ignored and num_valid_tokens is None,
+            softcap=self.head_config.softcap,
+            logit_scale=self.head_config.logit_scale,
+            shift=shift,
+            num_valid_tokens=num_valid_tokens,
+        )
         loss = fused_linear_cross_entropy(
             hidden,
             weight,
             targets.to(hidden.device),
-            # the model's options, by the registry's names; a call's ignore_index wins, a count taken already skips
-            **options.op_arguments(
-                ignore_index=self.ignore_index, skip_ignored=options.skip_ignored and num_valid_tokens is None
-            ),
+            options=op_options,
             bias=bias,
-            softcap=self.head_config.softcap,
-            logit_scale=self.head_config.logit_scale,
-            shift=shift,
             num_items_in_batch=self.num_items_in_batch,
-            num_valid_tokens=num_valid_tokens,
             low_rank_hidden=low_rank[0] if low_rank is not None else None,
             low_rank_weight=low_rank[1] if low_rank is not None else None,
             class_weights=op_class_weights(options, hidden),

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from ..ops.core import BACKENDS, check_weights
-from ..ops.linear_cross_entropy import OP_NAME, CrossEntropyOptions, check_flag, loss_weights
+from ..ops.linear_cross_entropy import OP_NAME, CrossEntropyOptions, build_options, check_flag, loss_weights
 
 # Where apply_fused_lce stores the LCEOptions: on the instance, or on the class for a class patch.
 OPTIONS_ATTR = "_lce_patch_options"
@@ -224,10 +224,11 @@ class LCEOptions:
         """Whether calls that compute a loss attach any of the extra outputs."""
         return bool(self.extra_outputs)
 
-    def op_arguments(self, **overrides: Any) -> dict[str, Any]:
-        """The op's keyword arguments for these options (``fused_linear_cross_entropy`` takes each under the
-        option's name): those the op checks and the outputs asked for, with ``overrides`` (a call's own)."""
-        return {**{name: getattr(self, name) for name in _OP_ARGUMENTS}, **overrides}
+    def op_options(self, **call: Any) -> CrossEntropyOptions:
+        """The op's options object for one call, built once by the op's own builder (``fused_linear_cross_entropy``
+        takes it as ``options=``): the options the op checks and the outputs asked for, under their names, with
+        ``call``'s (the head's ``softcap`` and ``logit_scale``, the ``shift``, a call's own ``ignore_index``...)."""
+        return build_options({**{name: getattr(self, name) for name in _OP_ARGUMENTS}, **call})
 
     @classmethod
     def from_kwargs(cls, options: dict[str, Any]) -> LCEOptions:

@@ -17,6 +17,7 @@ import torch
 import lce_patch
 from lce_patch.integrations.shared import divergence_options, log_prob_options
 from lce_patch.models import OPTION_DEFAULTS, OPTIONS, LCEOptions, is_patched, option_names
+from lce_patch.ops.linear_cross_entropy import LOSS_KEYWORDS, CrossEntropyOptions, ExtraOutputs
 
 from .tiny import tiny_model
 
@@ -87,6 +88,9 @@ def test_deterministic_is_deprecated_and_does_nothing():
 
 def test_the_op_takes_every_option_the_forward_hands_it():
     parameters = inspect.signature(lce_patch.fused_linear_cross_entropy).parameters
-    arguments = LCEOptions(return_lse=True).op_arguments(ignore_index=3)
-    assert set(arguments) <= set(parameters) and arguments["ignore_index"] == 3 and arguments["return_lse"]
-    assert set(arguments) == set(option_names(op=True) + option_names(adds_output=True))
+    names = option_names(op=True) + option_names(adds_output=True)
+    assert set(names) <= set(LOSS_KEYWORDS) <= set(parameters) and "options" in parameters
+    options = LCEOptions(return_lse=True, z_loss=0.5).op_options(ignore_index=3, shift=True)
+    assert isinstance(options, CrossEntropyOptions)
+    assert options.ignore_index == 3 and options.shift and options.z_loss == 0.5
+    assert options.want == ExtraOutputs(lse=True) and options.skip_ignored

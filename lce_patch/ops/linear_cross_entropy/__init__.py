@@ -10,16 +10,29 @@ from .functional import (
 )
 from .inputs import loss_weights, shift_labels
 from .naive import naive_distribution_statistics, naive_linear_cross_entropy, naive_logits, naive_token_outputs
-from .options import OP_NAME, CrossEntropyOptions, VocabShard, check_flag
+from .options import (
+    LOG_PROBS_KEYWORDS,
+    LOSS_KEYWORDS,
+    OP_NAME,
+    CrossEntropyOptions,
+    ExtraOutputs,
+    VocabShard,
+    build_options,
+    check_flag,
+)
 from .vocab_parallel import is_dtensor
 
 __all__ = [
+    "LOG_PROBS_KEYWORDS",
+    "LOSS_KEYWORDS",
     "OP_NAME",
     "CrossEntropyOptions",
     "CrossEntropyOutputs",
     "FusedLinearCrossEntropy",
     "TokenOutputs",
+    "ExtraOutputs",
     "VocabShard",
+    "build_options",
     "fused_linear_cross_entropy",
     "check_flag",
     "fused_linear_log_probs",

@@ -16,7 +16,7 @@ from ..core.reduction import check_reduction
 from .autograd import LinearCrossEntropyFunction
 from .custom_op import compiled_linear_cross_entropy
 from .inputs import check_inputs, compute_dtype, loss_weights, low_rank_inputs, shift_labels
-from .options import OP_NAME, SCHEMA, CrossEntropyOptions, ExtraOutputs, check_flag, fail
+from .options import OP_NAME, SCHEMA, CrossEntropyOptions, build_options, fail, given_options
 from .vocab_parallel import VocabShard, check_shard, is_dtensor, unwrap_dtensors
 
 
@@ -238,6 +238,7 @@ def fused_linear_cross_entropy(
     return_token_accuracy: bool = False,
     fp32_weight_grad: bool = False,
     return_predicted_tokens: bool = False,
+    options: CrossEntropyOptions | None = None,
 ) -> torch.Tensor | CrossEntropyOutputs:
     """Cross-entropy of ``hidden @ weight.T + bias`` against ``labels`` without materializing the logits.
 
@@ -315,6 +316,12 @@ def fused_linear_cross_entropy(
             softcap is monotonic, so this is the argmax of the raw logits except where it rounds distinct raw
             logits near the cap to the same value (a tie there goes to the first index). As Liger's
             ``return_predicted_tokens``.
+        options: the options above as one :class:`CrossEntropyOptions` (``ignore_index`` to ``fp32_weight_grad``,
+            ``return_*`` as its ``want``: :class:`ExtraOutputs`' ``lse``, ``is_top1``, ``predicted``), instead of
+            their keywords: one form or the other (a TypeError when an option keyword off its default is given
+            beside it, or when it is not a CrossEntropyOptions; a ValueError when it sets a field these keywords
+            do not, such as ``temperature``). The same call either way; a caller that holds its options (the
+            patched models' forward) builds the object once and hands it over.
 
     Returns:
         fp32 0-d loss (or per-token losses for reduction="none"). A batch whose labels are all ignored
@@ -325,36 +332,28 @@ def fused_linear_cross_entropy(
     if deterministic is not None:
         warn_deterministic()
     count_call(OP_NAME)
-    check_reduction(reduction, num_items_in_batch, OP_NAME)
-    for name, flag in (
-        ("return_lse", return_lse),
-        ("return_token_accuracy", return_token_accuracy),
-        ("return_predicted_tokens", return_predicted_tokens),
-    ):
-        check_flag(name, flag)
-    options = CrossEntropyOptions(
-        ignore_index=ignore_index,
-        softcap=softcap,
-        logit_scale=logit_scale,
-        label_smoothing=label_smoothing,
-        z_loss=z_loss,
-        reduction=reduction,
-        backend=backend,
-        shift=shift,
-        chunk_size=chunk_size,
-        skip_ignored=skip_ignored,
-        num_valid_tokens=num_valid_tokens,
-        want=ExtraOutputs(is_top1=return_token_accuracy, lse=return_lse, predicted=return_predicted_tokens),
+    keywords = dict(
+        ignore_index=ignore_index, softcap=softcap, logit_scale=logit_scale, shift=shift, reduction=reduction,
+        label_smoothing=label_smoothing, z_loss=z_loss, backend=backend, chunk_size=chunk_size,
+        skip_ignored=skip_ignored, num_valid_tokens=num_valid_tokens, return_lse=return_lse,
+        return_token_accuracy=return_token_accuracy, return_predicted_tokens=return_predicted_tokens,
         fp32_weight_grad=fp32_weight_grad,
-    )
+    )  # fmt: skip
+    if options is None:
+        check_reduction(reduction, num_items_in_batch, OP_NAME)
+        options = build_options(keywords)
+    else:
+        options = given_options(options, keywords, OP_NAME)
+        check_reduction(options.reduction, num_items_in_batch, OP_NAME)
     loss, _entropy, is_top1, _mean, _log_sum_sq, lse, predicted, label_mask = _run(
         hidden, weight, bias, labels, num_items_in_batch, low_rank_hidden, low_rank_weight, options, vocab_shard,
         token_weights, class_weights,
     )  # fmt: skip
-    if not (return_lse or return_token_accuracy or return_predicted_tokens):
+    want = options.want
+    if not (want.lse or want.is_top1 or want.predicted):
         return loss
     accuracy = None
-    if return_token_accuracy:
+    if want.is_top1:
         accuracy = (is_top1.sum() / label_mask.sum().clamp(min=1)).to(loss.dtype)
     return CrossEntropyOutputs(loss=loss, lse=lse, token_accuracy=accuracy, predicted_tokens=predicted)
 
@@ -382,6 +381,7 @@ def fused_linear_log_probs(
     vocab_shard: VocabShard | None = None,
     low_rank_hidden: torch.Tensor | None = None,
     low_rank_weight: torch.Tensor | None = None,
+    options: CrossEntropyOptions | None = None,
 ) -> TokenOutputs:
     """Per-token target log-probabilities (and optionally entropy, argmax match, the mean logit and
     ``log(sum p**2)``) without the logits, all from the same pass over each chunk's logits.
@@ -409,35 +409,23 @@ def fused_linear_log_probs(
     :func:`fused_linear_cross_entropy`; the logits above then include ``low_rank_hidden @ low_rank_weight.T``
     inside the softcap.
 
+    ``options``: the options above as one :class:`CrossEntropyOptions` with ``reduction="none"`` (the
+    ``return_*`` flags as its ``want``: ``entropy``, ``is_top1``, ``mean_logit``, ``log_sum_sq``), instead of their
+    keywords; one form or the other, checked as in :func:`fused_linear_cross_entropy`.
+
     Shapes: hidden [N, D] or [B, T, D]; labels [N] or [B, T]; every output is shaped like labels.
     """
     count_call("fused_linear_log_probs")
-    for name, flag in (
-        ("return_entropy", return_entropy),
-        ("return_is_top1", return_is_top1),
-        ("return_mean_logits", return_mean_logits),
-        ("return_log_sum_sq_probs", return_log_sum_sq_probs),
-    ):
-        check_flag(name, flag)
-    options = CrossEntropyOptions(
-        ignore_index=ignore_index,
-        softcap=softcap,
-        logit_scale=logit_scale,
-        temperature=temperature,
-        reduction="none",
-        backend=backend,
-        shift=shift,
-        want=ExtraOutputs(
-            entropy=return_entropy,
-            is_top1=return_is_top1,
-            mean_logit=return_mean_logits,
-            log_sum_sq=return_log_sum_sq_probs,
-        ),
-        chunk_size=chunk_size,
-        skip_ignored=skip_ignored,
-        num_valid_tokens=num_valid_tokens,
-        precompute_grad=precompute_grad,
-    )
+    keywords = dict(
+        ignore_index=ignore_index, softcap=softcap, logit_scale=logit_scale, temperature=temperature, shift=shift,
+        return_entropy=return_entropy, return_is_top1=return_is_top1, return_mean_logits=return_mean_logits,
+        return_log_sum_sq_probs=return_log_sum_sq_probs, backend=backend, chunk_size=chunk_size,
+        skip_ignored=skip_ignored, num_valid_tokens=num_valid_tokens, precompute_grad=precompute_grad,
+    )  # fmt: skip
+    if options is None:
+        options = build_options(keywords, log_probs=True)
+    else:
+        options = given_options(options, keywords, "fused_linear_log_probs", log_probs=True)
     loss, entropy, is_top1, mean_logits, log_sum_sq_probs, _lse, _predicted, label_mask = _run(
         hidden, weight, bias, labels, None, low_rank_hidden, low_rank_weight, options, vocab_shard
     )

@@ -149,3 +149,109 @@ class CrossEntropyOptions(LogitTransform):
 
 
 SCHEMA = OptionsSchema(CrossEntropyOptions)
+_FIELD_DEFAULTS = {field.name: field.default for field in dataclasses.fields(CrossEntropyOptions)}
+
+
+# The options the public functions take as keywords, with their defaults, in the order their checks run. A
+# ``return_*`` flag sets one field of ``want`` (:data:`_WANTS`); the others are CrossEntropyOptions' fields.
+LOSS_KEYWORDS: dict[str, Any] = {
+    "ignore_index": -100,
+    "softcap": None,
+    "logit_scale": 1.0,
+    "shift": False,
+    "reduction": "mean",
+    "label_smoothing": 0.0,
+    "z_loss": 0.0,
+    "backend": "auto",
+    "chunk_size": None,
+    "skip_ignored": False,
+    "num_valid_tokens": None,
+    "return_lse": False,
+    "return_token_accuracy": False,
+    "return_predicted_tokens": False,
+    "fp32_weight_grad": False,
+}
+"""``fused_linear_cross_entropy``'s option keywords and their defaults."""
+LOG_PROBS_KEYWORDS: dict[str, Any] = {
+    "ignore_index": -100,
+    "softcap": None,
+    "logit_scale": 1.0,
+    "temperature": 1.0,
+    "shift": False,
+    "return_entropy": False,
+    "return_is_top1": False,
+    "return_mean_logits": False,
+    "return_log_sum_sq_probs": False,
+    "backend": "auto",
+    "chunk_size": None,
+    "skip_ignored": False,
+    "num_valid_tokens": None,
+    "precompute_grad": False,
+}
+"""``fused_linear_log_probs``'s option keywords and their defaults (its reduction is always "none")."""
+_WANTS = {
+    "return_lse": "lse",
+    "return_token_accuracy": "is_top1",
+    "return_predicted_tokens": "predicted",
+    "return_entropy": "entropy",
+    "return_is_top1": "is_top1",
+    "return_mean_logits": "mean_logit",
+    "return_log_sum_sq_probs": "log_sum_sq",
+}
+
+
+def build_options(keywords: dict[str, Any], log_probs: bool = False) -> CrossEntropyOptions:
+    """The one builder of :class:`CrossEntropyOptions` from the public functions' keywords (each a key of
+    :data:`LOSS_KEYWORDS`, or of :data:`LOG_PROBS_KEYWORDS` with ``log_probs``, which sets ``reduction="none"``):
+    the ``return_*`` flags checked and gathered into ``want``, the rest passed on as fields (checked there)."""
+    for name, value in keywords.items():
+        if name in _WANTS:
+            check_flag(name, value)
+    want = ExtraOutputs(**{_WANTS[name]: value for name, value in keywords.items() if name in _WANTS})
+    fields = {name: value for name, value in keywords.items() if name not in _WANTS}
+    if log_probs:
+        fields["reduction"] = "none"
+    return CrossEntropyOptions(**fields, want=want)
+
+
+def _at_default(value: Any, default: Any) -> bool:
+    return value is default or (type(value) is type(default) and value == default)
+
+
+# What a caller's options object may set: the fields the keywords set (``want`` apart); every other field holds
+# the value the function gives it (the op's own fields, filled in per call, their defaults).
+_LOSS_FIELDS = frozenset(LOSS_KEYWORDS) - set(_WANTS)
+_LOG_PROBS_FIELDS = frozenset(LOG_PROBS_KEYWORDS) - set(_WANTS)
+_LOSS_WANTS = frozenset(_WANTS[name] for name in LOSS_KEYWORDS if name in _WANTS)
+_LOG_PROBS_WANTS = frozenset(_WANTS[name] for name in LOG_PROBS_KEYWORDS if name in _WANTS)
+
+
+def given_options(options: Any, keywords: dict[str, Any], op_name: str, log_probs: bool = False) -> CrossEntropyOptions:
+    """A caller's ``options=`` object, checked: a :class:`CrossEntropyOptions` (else a TypeError), given without
+    any option keyword off its default (else a TypeError: one form or the other), and setting only what the
+    function's keywords set (else a ValueError naming the fields; ``fused_linear_log_probs`` needs
+    ``reduction="none"``). Returned as is: its own checks ran when it was built."""
+    if not isinstance(options, CrossEntropyOptions):
+        raise TypeError(f"{op_name}: options must be a CrossEntropyOptions, got {type(options).__name__}")
+    defaults = LOG_PROBS_KEYWORDS if log_probs else LOSS_KEYWORDS
+    given = [name for name, value in keywords.items() if not _at_default(value, defaults[name])]
+    if given:
+        raise TypeError(
+            f"{op_name}: options= was given together with the option keyword(s) {given}; pass the options either "
+            "as one CrossEntropyOptions or as keywords, not both"
+        )
+    settable = _LOG_PROBS_FIELDS if log_probs else _LOSS_FIELDS
+    wants = _LOG_PROBS_WANTS if log_probs else _LOSS_WANTS
+    fixed = {"reduction": "none"} if log_probs else {}
+    wrong = [
+        name
+        for name in SCHEMA.all_names
+        if name not in settable and name != "want" and getattr(options, name) != fixed.get(name, _FIELD_DEFAULTS[name])
+    ]
+    wrong += [f"want.{name}" for name, flag in zip(ExtraOutputs._fields, options.want) if flag and name not in wants]
+    if wrong:
+        raise ValueError(
+            f"{op_name}: options sets {wrong}, which this function does not take"
+            + (' (its reduction is "none")' if log_probs else "")
+        )
+    return options
