@@ -20,7 +20,7 @@ import torch
 
 from lce_patch import fused_linear_cross_entropy, fused_linear_log_probs
 from lce_patch.ops.core import backend, labels
-from lce_patch.ops.linear_cross_entropy import rows
+from lce_patch.ops.linear_cross_entropy import launchers, rows
 
 triton = pytest.importorskip("triton")
 pytestmark = pytest.mark.slow  # compiles every kernel variant in a subprocess
@@ -138,7 +138,7 @@ def _run_shard_steps(launches):
 
 def test_every_launched_kernel_variant_compiles_for_sm90(monkeypatch):
     launches = []
-    monkeypatch.setattr(rows, "_kernels", _RecordingKernels(rows._kernels, launches))
+    monkeypatch.setattr(launchers, "_kernels", _RecordingKernels(launchers._kernels, launches))
     monkeypatch.setattr(backend, "_triton_helpers", _RecordingKernels(backend._triton_helpers, launches))
     monkeypatch.setattr(labels, "_kernels", _RecordingKernels(labels._kernels, launches))
     _run_ops()

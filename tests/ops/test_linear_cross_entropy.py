@@ -16,7 +16,7 @@ from lce_patch.ops.linear_cross_entropy import (
     naive_linear_cross_entropy,
     naive_token_outputs,
 )
-from lce_patch.ops.linear_cross_entropy.rows import _BLOCK_V_STATS as BLOCK
+from lce_patch.ops.linear_cross_entropy.launchers import _BLOCK_V_STATS as BLOCK
 
 from .devices import BACKENDS, TRITON_BF16, TRITON_DEVICE, device_of, on
 from .helpers import OPTION_SETS, check_against_reference, leaf, make_inputs, record_row_factors, rel_err

@@ -13,7 +13,7 @@ from lce_patch.ops.linear_cross_entropy import (
     naive_logits,
     naive_token_outputs,
 )
-from lce_patch.ops.linear_cross_entropy.rows import _BLOCK_V_STATS as BLOCK
+from lce_patch.ops.linear_cross_entropy.launchers import _BLOCK_V_STATS as BLOCK
 
 from .devices import BACKENDS, device_of, on
 from .helpers import leaf, make_inputs, rel_err

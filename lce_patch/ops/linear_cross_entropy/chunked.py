@@ -50,8 +50,9 @@ from ..core.chunking import buffer_rows, resolve_chunks
 from ..core.grads import GradAccumulator, LowRank, fp32_output_gemm_available, logits_into
 from ..core.labels import LabelShard, prepare_labels
 from ..core.reduction import loss_scale
+from .launchers import unnormalized_grad_applies
 from .options import OP_NAME, CrossEntropyOptions
-from .rows import ClassSmoothing, RowOutputs, chunk_grad, chunk_stats, target_logits, unnormalized_grad_applies
+from .rows import ClassSmoothing, RowOutputs, chunk_grad, chunk_stats, target_logits
 from .vocab_parallel import ShardRowPass, all_reduce_sum, group_size
 
 

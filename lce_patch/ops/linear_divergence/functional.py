@@ -12,54 +12,9 @@ from ..core.grads import fp32_output_gemm_available
 from ..core.reduction import check_reduction
 from .autograd import LinearDivergenceFunction
 from .custom_op import compiled_linear_divergence
+from .inputs import check_inputs
 from .options import OP_NAME, DivergenceOptions
 from .options import fail as _fail
-
-
-def _check(hidden, weight, bias, teacher_hidden, teacher_weight, teacher_bias, mask) -> None:
-    tensors = checks.check_tensors(
-        {
-            "hidden": hidden,
-            "weight": weight,
-            "teacher_hidden": teacher_hidden,
-            "teacher_weight": teacher_weight,
-            "bias": bias,
-            "teacher_bias": teacher_bias,
-            "mask": mask,
-        },
-        ("bias", "teacher_bias", "mask"),
-        OP_NAME,
-    )
-    checks.check_hidden(hidden, OP_NAME)
-    if tuple(teacher_hidden.shape[:-1]) != tuple(hidden.shape[:-1]) or teacher_hidden.dim() != hidden.dim():
-        _fail(
-            f"teacher_hidden must have hidden's leading shape {tuple(hidden.shape[:-1])} (its own hidden size "
-            f"last), got {tuple(teacher_hidden.shape)}"
-        )
-    checks.check_head(hidden, weight, bias, OP_NAME)
-    checks.check_head(teacher_hidden, teacher_weight, teacher_bias, OP_NAME, prefix="teacher_", nonempty=False)
-    if teacher_weight.shape[0] < weight.shape[0]:
-        _fail(
-            f"the teacher's vocabulary ({teacher_weight.shape[0]} rows) is smaller than the student's "
-            f"({weight.shape[0]}): the two distributions must be over the same tokens"
-        )
-    if mask is not None:
-        if tuple(mask.shape) != tuple(hidden.shape[:-1]):
-            _fail(
-                f"mask must have shape {tuple(hidden.shape[:-1])} (hidden without its last dim), got {tuple(mask.shape)}"
-            )
-        if mask.dtype != torch.bool and not checks.is_integer(mask):
-            _fail(f"mask must be a bool or integer (0/1) tensor, got {mask.dtype}")
-    checks.check_one_device(tensors, OP_NAME)
-    checks.check_float_dtypes(
-        tensors, ("hidden", "weight", "teacher_hidden", "teacher_weight", "bias", "teacher_bias"), OP_NAME
-    )
-    if len({weight.dtype, hidden.dtype}) > 1:
-        _fail(f"hidden ({hidden.dtype}) and weight ({weight.dtype}) must have one dtype")
-    if len({teacher_weight.dtype, teacher_hidden.dtype}) > 1:
-        _fail(
-            f"teacher_hidden ({teacher_hidden.dtype}) and teacher_weight ({teacher_weight.dtype}) must have one dtype"
-        )
 
 
 def fused_linear_divergence(
@@ -123,7 +78,7 @@ def fused_linear_divergence(
         With no token selected the loss is 0 and every gradient is 0.
     """
     count_call(OP_NAME)
-    _check(hidden, weight, bias, teacher_hidden, teacher_weight, teacher_bias, mask)
+    check_inputs(hidden, weight, bias, teacher_hidden, teacher_weight, teacher_bias, mask)
     check_reduction(reduction, num_items_in_batch, OP_NAME)
     use_triton = resolve_backend(backend, hidden.device, hidden.dtype, OP_NAME)
     if use_triton and teacher_hidden.dtype == torch.float64:

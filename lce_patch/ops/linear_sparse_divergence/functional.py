@@ -11,50 +11,8 @@ from ..core.calls import count_call
 from ..core.grads import fp32_output_gemm_available
 from ..core.reduction import check_reduction
 from .custom_op import linear_sparse_divergence
+from .inputs import check_inputs
 from .options import OP_NAME, SparseDivergenceOptions, fail
-
-
-def _check(hidden, weight, bias, candidate_ids, teacher_logprobs, candidate_mask) -> None:
-    tensors = checks.check_tensors(
-        {
-            "hidden": hidden,
-            "weight": weight,
-            "candidate_ids": candidate_ids,
-            "teacher_logprobs": teacher_logprobs,
-            "candidate_mask": candidate_mask,
-            "bias": bias,
-        },
-        ("bias", "candidate_mask"),
-        OP_NAME,
-    )
-    checks.check_hidden(hidden, OP_NAME)
-    checks.check_head(hidden, weight, bias, OP_NAME)
-    leading = tuple(hidden.shape[:-1])
-    if candidate_ids.dim() != hidden.dim() or tuple(candidate_ids.shape[:-1]) != leading:
-        fail(
-            f"candidate_ids must have shape {(*leading, 'K')} (hidden's leading shape, K last), got {tuple(candidate_ids.shape)}"
-        )
-    if candidate_ids.shape[-1] == 0:
-        fail("candidate_ids has no candidate slot (K = 0)")
-    if not checks.is_integer(candidate_ids):
-        fail(f"candidate_ids must be an integer tensor, got {candidate_ids.dtype}")
-    if tuple(teacher_logprobs.shape) != tuple(candidate_ids.shape):
-        fail(
-            f"teacher_logprobs must have candidate_ids' shape {tuple(candidate_ids.shape)}, got "
-            f"{tuple(teacher_logprobs.shape)} (one teacher log-probability per candidate)"
-        )
-    if candidate_mask is not None:
-        if tuple(candidate_mask.shape) != tuple(candidate_ids.shape):
-            fail(
-                f"candidate_mask must have candidate_ids' shape {tuple(candidate_ids.shape)}, got "
-                f"{tuple(candidate_mask.shape)}"
-            )
-        if candidate_mask.dtype != torch.bool and not checks.is_integer(candidate_mask):
-            fail(f"candidate_mask must be a bool or integer (0/1) tensor, got {candidate_mask.dtype}")
-    checks.check_one_device(tensors, OP_NAME)
-    checks.check_float_dtypes(tensors, ("hidden", "weight", "bias", "teacher_logprobs"), OP_NAME)
-    if hidden.dtype != weight.dtype:
-        fail(f"hidden ({hidden.dtype}) and weight ({weight.dtype}) must have one dtype")
 
 
 def fused_linear_sparse_divergence(
@@ -153,7 +111,7 @@ def fused_linear_sparse_divergence(
         (loss, entropy [...]). With nothing counted the loss is 0 and every gradient 0.
     """
     count_call(OP_NAME)
-    _check(hidden, weight, bias, candidate_ids, teacher_logprobs, candidate_mask)
+    check_inputs(hidden, weight, bias, candidate_ids, teacher_logprobs, candidate_mask)
     check_reduction(reduction, num_items_in_batch, OP_NAME)
     use_triton = resolve_backend(backend, hidden.device, hidden.dtype, OP_NAME)
     if fp32_logits is True and not fp32_output_gemm_available(hidden.device):
