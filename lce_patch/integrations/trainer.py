@@ -12,13 +12,11 @@ fused loss, and the steps that need the loss only (``evaluate()`` without ``comp
 without building them (``lce_patch.models.loss_only``). ``return_logits_in_eval=True`` always builds
 them; ``return_logits_in_eval=False`` never does, and a trainer that needs them is refused.
 
-TRL trainers that score a reference model inside ``__init__`` (DPO and KTO with
-``precompute_ref_log_probs=True``) have that pass served too: the callback wraps the trainer's
-``_precompute_ref_logps`` at the end of ``Trainer.__init__``, on that trainer instance only.
-
-Other trainers are served by the module the serving table (``lce_patch.integrations.serving``) names for their
-class: TRL's distillation trainers, its experimental ORPO, CPO, TPO, Online DPO and A2PO trainers (their loss or
-log-probabilities through lce_patch's ops), and a warning for the experimental trainers left on TRL's path.
+Trainers whose loss does not go through the model's forward are served through their row of the serving table
+(``lce_patch.integrations.serving.serve_trainer``), at the end of ``Trainer.__init__`` and again when training
+starts: TRL's fused LM head (SFT, DPO, KTO, GRPO, RLOO, including the reference-log-prob precompute DPO and KTO run
+inside ``__init__``), its distillation trainers, its experimental ORPO, CPO, TPO, Online DPO and A2PO trainers (their
+loss or log-probabilities through lce_patch's ops), and a warning for the experimental trainers left on TRL's path.
 
 When the first optimizer step of a training run ends, the callback logs one line on the ``lce_patch`` logger, at
 the level the Trainer shows its warnings (WARNING unless transformers' verbosity is raised), on the main process
@@ -34,7 +32,6 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
-import re
 import warnings
 from typing import Any
 
@@ -55,7 +52,7 @@ from ..models import (
     unwrap_causal_lm,
 )
 from ..ops import calls_since, op_calls
-from .serving import SERVED, find_row
+from .serving import SERVED, find_row, serve_trainer
 
 logger = logging.getLogger(__name__)
 
@@ -114,7 +111,7 @@ class FusedLCECallback(TrainerCallback):
     def __init__(self, **options: Any) -> None:
         LCEOptions.from_kwargs(options)  # fail at construction on a bad option
         self.options = dict(options)
-        self._served_by: str | None = None  # how serve_trainer routed the trainer's own loss, in words
+        self._served_by: str | None = None  # how its row routed the trainer's own loss at init, in words
         self._announced: set[int] = set()  # ids of the models whose line was logged
         self._pending: tuple | None = None  # (model, trainer, line, op calls before) until the first step ends
         self.outcomes: list[dict[str, Any]] = []  # per training run: whether the fused ops ran in its first step
@@ -145,22 +142,17 @@ class FusedLCECallback(TrainerCallback):
     def install_trainer_heads(
         self, model: torch.nn.Module | None, args: Any = None, trainer: Trainer | None = None
     ) -> bool:
-        """Hook for trainers that install their own LM head after ``__init__`` (TRL >= 1.15: SFT, DPO,
-        KTO, GRPO, RLOO and the async GRPO trainer put one on the policy and on ``trainer.ref_model``).
+        """Serve, through the trainer's row of the serving table, what a trainer installs after ``__init__``: TRL's
+        fused LM head (TRL >= 1.15: SFT, DPO, KTO, GRPO, RLOO and the async GRPO trainer put one on the policy and on
+        ``trainer.ref_model``).
 
-        Returns whether the policy has such a head (now run through lce_patch's op); the reference
-        model's head, if any, is served as well. With SFT's plain NLL loss (``loss_type="nll"``, TRL's
-        default) the op precomputes the gradient of that loss in the forward (see
-        ``fused_linear_log_probs(precompute_grad=True)``).
+        Returns whether the policy has such a head (now run through lce_patch's op); the reference model's head, if
+        any, is served as well. With SFT's plain NLL loss (``loss_type="nll"``, TRL's default) the op precomputes the
+        gradient of that loss in the forward (see ``fused_linear_log_probs(precompute_grad=True)``).
         """
-        if model is None:
+        if model is None or trainer is None:
             return False
-        try:
-            from .trl.head import install_heads
-        except ImportError:
-            return False
-        plain_nll = getattr(args, "loss_type", None) == "nll"
-        return install_heads(model, getattr(trainer, "ref_model", None), self.options, precompute_grad=plain_nll)
+        return serve_trainer(trainer, self.options, when="train")
 
     def check_trainer(self, trainer: Trainer | None) -> None:
         """Warn where the trainer bypasses the fused loss; refuse one that needs evaluation logits when
@@ -185,10 +177,8 @@ class FusedLCECallback(TrainerCallback):
             )
 
     def serve_trainer(self, trainer: Trainer | None) -> None:
-        """Wrap, on this trainer instance, the methods whose model calls the callback must steer: the
-        evaluation step (logits only where the Trainer needs them) and TRL's reference-log-prob precompute
-        that runs inside ``__init__`` (served by lce_patch's head, installed just before it runs); then serve the
-        trainer through its row of the serving table, if it has one served here."""
+        """Wrap, on this trainer instance, the evaluation step (logits only where the Trainer needs them); then serve
+        the trainer through its row of the serving table at the end of ``Trainer.__init__``."""
         if trainer is None:
             return
         callback = self
@@ -210,23 +200,11 @@ class FusedLCECallback(TrainerCallback):
 
             setattr(prediction_step, SERVED, step)
             trainer.prediction_step = prediction_step
-        precompute = getattr(trainer, "_precompute_ref_logps", None)
-        if callable(precompute) and getattr(precompute, SERVED, None) is None:
-
-            @functools.wraps(precompute)
-            def precompute_ref_logps(*args, **kwargs):
-                callback.install_trainer_heads(trainer.model, trainer.args, trainer)
-                return precompute(*args, **kwargs)
-
-            setattr(precompute_ref_logps, SERVED, precompute)
-            trainer._precompute_ref_logps = precompute_ref_logps
-        row = find_row(trainer)
-        if row is not None and row.when == "init":
-            if row.load().serve(trainer, dict(self.options)):
-                ops = " and ".join(re.findall(r"`(fused_[a-z_]+)`", row.how)) or "lce_patch's fused ops"
-                self._served_by = f"its loss runs {ops}"
-            elif row.serving is not None and row.serving.endswith(".unserved"):
-                self._served_by = ""  # warned: it trains as without the callback
+        row = find_row(trainer, "init")
+        if serve_trainer(trainer, self.options, when="init"):
+            self._served_by = row.route
+        elif row is not None and not row.served:
+            self._served_by = ""  # warned: it trains as without the callback
 
     def announce_line(self, model: torch.nn.Module | None, trainer: Trainer | None, trl_head: bool) -> str | None:
         """The line logged when training starts: the model, the trainer and the path its loss takes to the fused
@@ -237,8 +215,9 @@ class FusedLCECallback(TrainerCallback):
         inner = unwrap_causal_lm(model)
         if not isinstance(inner, PreTrainedModel) or not (trl_head or is_patched(inner)):
             return None
-        if trl_head:
-            how = "TRL's fused LM head runs fused_linear_log_probs"
+        head_row = find_row(trainer, "train") if trl_head else None
+        if head_row is not None:
+            how = head_row.route
         else:
             how = self._served_by or "the model's forward runs fused_linear_cross_entropy"
         options = options_text(LCEOptions.from_kwargs(self.options))

@@ -165,14 +165,15 @@ def protocol_checks(trainer) -> dict:
     """Unserving restores axolotl's loss object, serving again replaces it, and a foreign one is refused."""
     import torch
 
-    from lce_patch.integrations.axolotl.kd import FusedKDLoss, serve_kd_trainer, unserve_kd_trainer
+    from lce_patch.integrations.axolotl.kd import FusedKDLoss
+    from lce_patch.integrations.serving import serve_trainer, unserve_trainer
 
-    out = {"unserved": unserve_kd_trainer(trainer), "restored": type(trainer._kd_loss_fn).__name__}
-    out["served_again"] = serve_kd_trainer(trainer) and isinstance(trainer._kd_loss_fn, FusedKDLoss)
-    unserve_kd_trainer(trainer)
+    out = {"unserved": unserve_trainer(trainer), "restored": type(trainer._kd_loss_fn).__name__}
+    out["served_again"] = serve_trainer(trainer, {}) and isinstance(trainer._kd_loss_fn, FusedKDLoss)
+    unserve_trainer(trainer)
     trainer._kd_loss_fn = torch.nn.Identity()
     try:
-        serve_kd_trainer(trainer)
+        serve_trainer(trainer, {})
         out["foreign_loss_error"] = None
     except Exception as err:
         out["foreign_loss_error"] = f"{type(err).__name__}: {err}"

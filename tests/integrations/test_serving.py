@@ -80,7 +80,7 @@ def _module_functions() -> dict[str, object]:
     return found
 
 
-_METHOD_ROWS = [row for row in ROWS if row.when == "init" and not row.serving.endswith(".unserved")]
+_METHOD_ROWS = [row for row in ROWS if row.when == "init" and row.served]
 
 
 @pytest.mark.parametrize("row", _METHOD_ROWS, ids=lambda row: row.name)
@@ -88,13 +88,13 @@ def test_serve_then_unserve_restores_the_trainer_exactly(row):
     trainer = _bare(_class_of(row))
     before, functions = dict(vars(trainer)), _module_functions()
     serving_module = row.load()
-    assert serving_module.serve(trainer, {}) is True
+    assert serving_module.serve(trainer, row, {}) is True
     assert serving.serve_trainer(trainer, {}) is True  # through the table; already served: nothing more
     replaced = {name: value for name, value in vars(trainer).items() if before.get(name) is not value}
     assert replaced and all(getattr(value, SERVED, None) is not None for value in replaced.values())
     assert serving.unserve_trainer(trainer) is True
     assert vars(trainer) == before and all(vars(trainer)[name] is before[name] for name in before)
-    assert serving_module.unserve(trainer) is False
+    assert serving_module.unserve(trainer, row) is False
     for name, function in functions.items():  # no dispatcher left unless another live trainer is served
         if getattr(function, SERVED, None) is None:
             assert _module_functions()[name] is function, name
@@ -141,3 +141,203 @@ def test_the_docs_trainer_table_is_generated_from_the_rows():
     with warnings.catch_warnings():  # the hook loads serving.py from its file: the same rows
         warnings.simplefilter("error")
         assert serving_table.serving_table() == table
+
+
+def test_rows_say_the_ops_they_run_and_whether_they_are_served():
+    for row in ROWS:
+        assert row.served == bool(row.ops) and all(op.startswith("fused_linear_") for op in row.ops), row
+        assert row.served == (row.serving is not None and not row.serving.endswith(".unserved")), row
+        if row.when != "train":  # the docs' cell names the ops (the fused-head rows say TRL's head)
+            assert all(f"`{op}`" in row.how for op in row.ops), row
+    assert not without_fused_head(ROWS[0]).served and without_fused_head(ROWS[0]).when == "init"
+    assert next(row for row in ROWS if row.name == "TPOTrainer").route == "its loss runs fused_linear_log_probs"
+    assert ROWS[0].route == "TRL's fused LM head runs fused_linear_log_probs"
+
+
+class _Recorder(types.ModuleType):
+    """A serving module that records what the one dispatcher hands it."""
+
+    def __init__(self) -> None:
+        super().__init__("recorder")
+        self.calls: list[tuple] = []
+
+    def serve(self, trainer, row, options):
+        self.calls.append(("serve", trainer, row, options))
+        return row.served
+
+    def unserve(self, trainer, row):
+        self.calls.append(("unserve", trainer, row))
+        return row.served
+
+
+@pytest.fixture
+def recorder(monkeypatch) -> _Recorder:
+    """Every row's serving module replaced by one recorder."""
+    module = _Recorder()
+    monkeypatch.setattr(Row, "load", lambda row: None if row.serving is None else module)
+    return module
+
+
+def _instance_of(row: Row) -> object:
+    """An instance of a class standing for the row's (same module and name: nothing is imported)."""
+    return type(row.name, (), {"__module__": row.module})()
+
+
+@pytest.mark.parametrize("row", [row for row in ROWS if row.serving is not None], ids=lambda row: row.module)
+def test_every_row_is_served_through_the_one_function_at_its_moment(row, recorder):
+    trainer = _instance_of(row)
+    expected = find_row(trainer)
+    assert serving.serve_trainer(trainer, {"chunk_size": 8}, when=expected.when) is row.served
+    assert recorder.calls == [("serve", trainer, expected, {"chunk_size": 8})]  # handed its row
+    for moment in {"init", "train", "plugin"} - {expected.when}:
+        recorder.calls.clear()
+        assert serving.serve_trainer(trainer, {}, when=moment) is False and recorder.calls == [], moment
+    recorder.calls.clear()
+    assert serving.unserve_trainer(trainer) is row.served and recorder.calls == [("unserve", trainer, expected)]
+
+
+def test_a_row_not_served_leaves_the_trainer_as_it_was():
+    for row in ROWS:
+        if row.served:
+            continue
+        trainer = _instance_of(row)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the unserved rows' warning (tested above)
+            for moment in ("init", "train", "plugin", None):
+                assert serving.serve_trainer(trainer, {}, when=moment) is False, (row, moment)
+        assert vars(trainer) == {} and serving.unserve_trainer(trainer) is False
+
+
+@pytest.mark.skipif(not protocol.has_fused_lm_head(), reason="TRL's fused LM head needs TRL >= 1.15")
+def test_a_class_built_on_a_fused_head_trainer_has_its_loss_and_the_head_served(recorder):
+    gkd = next(row for row in ROWS if row.name == "GKDTrainer")
+    sft = next(row for row in ROWS if row.name == "SFTTrainer")
+    sft_class = type(sft.name, (), {"__module__": sft.module})
+    trainer = type(gkd.name, (sft_class,), {"__module__": gkd.module})()
+    assert serving.serve_trainer(trainer, {}, when="init") and recorder.calls[-1][2] is gkd
+    assert serving.serve_trainer(trainer, {}, when="train") and recorder.calls[-1][2] is sft
+
+
+@pytest.mark.skipif(not protocol.has_fused_lm_head(), reason="TRL's fused LM head needs TRL >= 1.15")
+def test_the_head_rows_prepare_the_reference_precompute_at_init(monkeypatch):
+    from lce_patch.integrations.trl import head
+
+    dpo = next(row for row in ROWS if row.name == "DPOTrainer")
+    served = []
+    monkeypatch.setattr(head, "install_heads", lambda *args: served.append(args) or True)
+
+    class Trainer(type(dpo.name, (), {"__module__": dpo.module})):
+        def _precompute_ref_logps(self, dataset, name, batch_size):
+            return (dataset, len(served))
+
+    trainer = Trainer()
+    trainer.model, trainer.ref_model = object(), object()
+    assert serving.serve_trainer(trainer, {"chunk_size": 8}, when="init") is False  # nothing served at init
+    assert getattr(vars(trainer)["_precompute_ref_logps"], SERVED) is not None and served == []
+    assert trainer._precompute_ref_logps("data", "train", 2) == ("data", 1)  # the heads served first
+    assert served == [(trainer.model, trainer.ref_model, {"chunk_size": 8}, False)]
+    serving.serve_trainer(trainer, {}, when="init")  # once
+    assert trainer._precompute_ref_logps("data", "train", 2) == ("data", 2)
+    assert serving.unserve_trainer(trainer) is True and "_precompute_ref_logps" not in vars(trainer)
+
+
+def test_the_callbacks_head_hook_asks_the_table(recorder):
+    from lce_patch import FusedLCECallback
+
+    callback = FusedLCECallback(chunk_size=8)
+    for row in ROWS:
+        recorder.calls.clear()
+        trainer = _instance_of(row)
+        served = callback.install_trainer_heads(object(), None, trainer)
+        expected = find_row(trainer, "train")
+        assert served is (expected is not None)
+        assert recorder.calls == ([] if expected is None else [("serve", trainer, expected, {"chunk_size": 8})])
+    assert callback.install_trainer_heads(object(), None, object()) is False  # no row: no head served
+
+
+@pytest.fixture
+def axolotl_plugin(monkeypatch):
+    """lce_patch's axolotl plugin, imported over stand-ins for the two axolotl modules it imports."""
+    import logging
+
+    base = types.ModuleType("axolotl.integrations.base")
+    base.BasePlugin = type("BasePlugin", (), {})
+    log = types.ModuleType("axolotl.utils.logging")
+    log.get_logger = logging.getLogger
+    for name, module in {
+        "axolotl": types.ModuleType("axolotl"),
+        "axolotl.integrations": types.ModuleType("axolotl.integrations"),
+        "axolotl.integrations.base": base,
+        "axolotl.utils": types.ModuleType("axolotl.utils"),
+        "axolotl.utils.logging": log,
+    }.items():
+        monkeypatch.setitem(sys.modules, name, module)
+    pytest.importorskip("pydantic")
+    name = "lce_patch.integrations.axolotl.plugin"
+    sys.modules.pop(name, None)
+    yield importlib.import_module(name)
+    sys.modules.pop(name, None)  # imported over the stand-ins: not kept
+    vars(importlib.import_module("lce_patch.integrations.axolotl")).pop("plugin", None)
+
+
+def test_the_axolotl_plugin_asks_the_table(axolotl_plugin, recorder, caplog):
+    plugin = axolotl_plugin.LCEPatchPlugin()
+    kd = next(row for row in ROWS if row.when == "plugin")
+    trainer = _instance_of(kd)
+    with caplog.at_level("INFO", logger="axolotl.integrations.lce_patch"):
+        plugin.post_trainer_create({"lce_patch": True, "lce_patch_chunk_size": 8}, trainer)
+    assert recorder.calls == [("serve", trainer, kd, {"chunk_size": 8})]
+    assert "lce_patch: axolotl's KD loss runs through fused_linear_sparse_divergence" in caplog.text
+    recorder.calls.clear()
+    plugin.post_trainer_create({"lce_patch": False}, trainer)  # off: not served
+    other = _instance_of(next(row for row in ROWS if row.name == "TPOTrainer"))
+    plugin.post_trainer_create({"lce_patch": True}, other)  # served by the callback, not by the plugin
+    assert recorder.calls == []
+
+
+def test_the_axolotl_plugin_logs_its_rows_warnings_on_axolotls_log(axolotl_plugin, monkeypatch, caplog):
+    kd = next(row for row in ROWS if row.when == "plugin")
+
+    def serve(trainer, row, options):
+        warnings.warn("lce_patch: a warning of the serving module", stacklevel=2)
+        return False
+
+    monkeypatch.setattr(Row, "load", lambda row: types.SimpleNamespace(serve=serve))
+    with caplog.at_level("WARNING", logger="axolotl.integrations.lce_patch"), warnings.catch_warnings():
+        warnings.simplefilter("error")
+        axolotl_plugin.LCEPatchPlugin().post_trainer_create({"lce_patch": True}, _instance_of(kd))
+    assert "lce_patch: a warning of the serving module" in caplog.text
+
+
+def test_axolotls_kd_row_serves_through_the_table():
+    """axolotl's KD trainer, stood in for (the real one runs in test_axolotl_kd.py, in axolotl's environment)."""
+    import torch
+
+    from lce_patch.integrations.axolotl import kd
+
+    row = next(row for row in ROWS if row.when == "plugin")
+
+    def forward(self, lm_head_weight, student_hidden_states, target_token_ids, target_logprobs, target_mask,
+                true_labels, student_bias=None):  # fmt: skip
+        raise AssertionError("not called")
+
+    settings = dict(weight_hard_loss=1.0, weight_soft_loss=1.0, temperature=1.0, beta=0.0, ignore_index=-100)
+    settings.update(compute_ce_loss=True, normalize_topk=True, forward=forward)
+    loss_class = type(
+        "LigerFusedLinearKLTopKLogprobLoss",
+        (torch.nn.Module,),
+        {"__module__": "axolotl.integrations.kd.kernels.liger", **settings},
+    )
+
+    def compute_loss(self, model, inputs):
+        return self._kd_loss_fn(inputs)
+
+    trainer = type(row.name, (), {"__module__": row.module, "compute_loss": compute_loss})()
+    original = trainer._kd_loss_fn = loss_class()
+    assert serving.serve_trainer(trainer, {"chunk_size": 8, "z_loss": 0.0}, when="plugin") is True
+    assert isinstance(trainer._kd_loss_fn, kd.FusedKDLoss) and trainer._kd_loss_fn.options == {"chunk_size": 8}
+    assert serving.serve_trainer(trainer, {}, when="plugin") is True  # already served
+    assert serving.unserve_trainer(trainer) is True and trainer._kd_loss_fn is original
+    trainer._kd_loss_fn = torch.nn.Identity()
+    with pytest.raises(kd.AxolotlKDProtocolError, match=f"its _kd_loss_fn is Identity.*axolotl 0.19's {row.name}"):
+        serving.serve_trainer(trainer, {}, when="plugin")

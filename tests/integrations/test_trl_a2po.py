@@ -131,9 +131,9 @@ def test_serving_is_per_trainer_and_reversible(tmp_path):
     served = make_trainer(tmp_path / "a", [FusedLCECallback()])
     plain = make_trainer(tmp_path / "b")
     assert "_get_sequence_logps" in vars(served) and "_get_sequence_logps" not in vars(plain)
-    assert trl_a2po.serve(served, {})  # already served: nothing more
+    assert trl_a2po.serve(served, serving.find_row(served), {})  # already served: nothing more
     assert serving.unserve_trainer(served)
-    assert "_get_sequence_logps" not in vars(served) and not trl_a2po.unserve(served)
+    assert "_get_sequence_logps" not in vars(served) and not trl_a2po.unserve(served, serving.find_row(served))
 
 
 def test_a_subclass_with_its_own_method_is_left_to_trl():
@@ -143,7 +143,7 @@ def test_a_subclass_with_its_own_method_is_left_to_trl():
 
     trainer = CustomA2PO.__new__(CustomA2PO)  # what serving inspects: the class and the instance's attributes
     with pytest.warns(UserWarning, match="overrides A2POTrainer's _get_sequence_logps"):
-        assert not trl_a2po.serve(trainer, {})
+        assert not trl_a2po.serve(trainer, serving.find_row(trainer), {})
     assert "_get_sequence_logps" not in vars(trainer)
 
 

@@ -15,7 +15,7 @@ distillation = pytest.importorskip("trl.trainer.distillation_trainer")
 
 
 from lce_patch import FusedLCECallback  # noqa: E402
-from lce_patch.integrations.serving import SERVED  # noqa: E402
+from lce_patch.integrations.serving import SERVED, find_row  # noqa: E402
 from lce_patch.integrations.trl import distillation as trl_distillation  # noqa: E402
 from tests.integrations.trl_helpers import VOCAB, cpu_run, distillation_model, lora_config, make_tokenizer  # noqa: E402
 
@@ -107,7 +107,7 @@ def test_serving_is_per_trainer_and_reversible(tokenizer, tmp_path):
     assert "_compute_loss" in vars(served) and "_compute_loss" not in vars(plain)
     assert module._chunked_divergence_loss is not original  # the dispatcher, TRL's own for the plain trainer
     gc.collect()  # the served trainers of other tests
-    assert trl_distillation.unserve(served)
+    assert trl_distillation.unserve(served, find_row(served))
     assert module._chunked_divergence_loss is original and "_compute_loss" not in vars(served)
 
 

@@ -9,6 +9,7 @@ datasets = pytest.importorskip("datasets")
 gkd = pytest.importorskip("trl.experimental.gkd")
 
 from lce_patch import FusedLCECallback  # noqa: E402
+from lce_patch.integrations.serving import find_row  # noqa: E402
 from lce_patch.integrations.trl import gkd as trl_gkd  # noqa: E402
 from tests.integrations.trl_helpers import cpu_run, distillation_model, lora_config, make_tokenizer, record_calls  # noqa: E402
 
@@ -91,8 +92,8 @@ def test_serving_is_per_trainer_and_reversible(tokenizer, tmp_path):
     served, _ = _train(tokenizer, [FusedLCECallback()], tmp_path / "a")
     plain, _ = _train(tokenizer, [], tmp_path / "b")
     assert "compute_loss" in vars(served) and "compute_loss" not in vars(plain)
-    assert trl_gkd.unserve(served)
-    assert "compute_loss" not in vars(served) and not trl_gkd.unserve(served)
+    assert trl_gkd.unserve(served, find_row(served))
+    assert "compute_loss" not in vars(served) and not trl_gkd.unserve(served, find_row(served))
 
 
 def test_a_subclass_with_its_own_loss_is_left_alone(tokenizer, tmp_path):

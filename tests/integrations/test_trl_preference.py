@@ -230,9 +230,9 @@ def test_serving_is_per_trainer_and_reversible(tmp_path):
     served = make_trainer("cpo", tmp_path / "a", [FusedLCECallback()])
     plain = make_trainer("cpo", tmp_path / "b")
     assert "concatenated_forward" in vars(served) and "concatenated_forward" not in vars(plain)
-    assert trl_preference.serve(served, {})  # already served: nothing more
-    assert trl_preference.unserve(served)
-    assert "concatenated_forward" not in vars(served) and not trl_preference.unserve(served)
+    assert trl_preference.serve(served, serving.find_row(served), {})  # already served: nothing more
+    assert trl_preference.unserve(served, serving.find_row(served))
+    assert "concatenated_forward" not in vars(served) and not trl_preference.unserve(served, serving.find_row(served))
     assert type(served).concatenated_forward is cpo.CPOTrainer.concatenated_forward
 
 
@@ -269,11 +269,12 @@ def test_trainers_left_on_trl_path_are_warned_about_once():
         return type(name, (), {"__module__": module})()
 
     sdft = trainer_of("trl.experimental.sdft.sdft_trainer", "SDFTTrainer")
+    gkd = trainer_of("trl.experimental.gkd.gkd_trainer", "GKDTrainer")
     unserved._warned.discard("SDFTTrainer")
     assert serving.find_row(sdft).serving == unserved.__name__
     with pytest.warns(UserWarning, match="SDFTTrainer computes its loss from the full"):
         assert serving.serve_trainer(sdft, {}) is False
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert unserved.serve(sdft, {}) is False  # already warned for this class: silent
-        assert not unserved.serve(trainer_of("trl.experimental.gkd.gkd_trainer", "GKDTrainer"), {})
+        assert unserved.serve(sdft, serving.find_row(sdft), {}) is False  # already warned for this class: silent
+        assert not unserved.serve(gkd, serving.find_row(gkd), {})

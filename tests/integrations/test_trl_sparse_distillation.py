@@ -27,7 +27,7 @@ server_module = pytest.importorskip("trl.experimental.server_distillation.server
 async_module = pytest.importorskip("trl.experimental.async_distillation.async_distillation_trainer")
 
 from lce_patch import FusedLCECallback  # noqa: E402
-from lce_patch.integrations.serving import SERVED  # noqa: E402
+from lce_patch.integrations.serving import SERVED, find_row  # noqa: E402
 from lce_patch.integrations.trl import TRLProtocolError  # noqa: E402
 from lce_patch.integrations.trl import async_distillation as async_serving  # noqa: E402
 from lce_patch.integrations.trl import server_distillation as server_serving  # noqa: E402
@@ -250,7 +250,7 @@ def test_async_distillation_loss_grads_and_metrics_equal_trl(
     assert len(op_calls) == 1 and op_calls[0]["reduction"] == ("none" if len(teachers) > 1 else "sum")
     # TRL's chunked loss takes fp32 logits and dW: the served op is asked for the same precision
     assert op_calls[0]["fp32_logits"] and op_calls[0]["fp32_weight_grad"]
-    assert async_serving.unserve(trainer)
+    assert async_serving.unserve(trainer, find_row(trainer))
     assert "_compute_loss" not in vars(trainer)
     reference, reference_grads, reference_metrics = _loss_and_grads(trainer, batch)
     assert len(op_calls) == 1  # TRL's own function this time
@@ -275,9 +275,9 @@ def test_async_dispatcher_is_per_trainer_and_reversible(tokenizer, tmp_path, op_
         trainer.compute_loss(trainer.model, _rollout_batch(trainer, top_k=4))
     assert len(op_calls) == 1  # the plain trainer ran TRL's function through the dispatcher
     assert hasattr(module._chunked_jsd_loss, SERVED)
-    assert async_serving.unserve(served)
+    assert async_serving.unserve(served, find_row(served))
     assert not hasattr(module._chunked_jsd_loss, SERVED)  # the last served trainer is gone
-    assert not async_serving.unserve(plain)
+    assert not async_serving.unserve(plain, find_row(plain))
 
 
 def test_unknown_trl_code_raises(tokenizer, tmp_path, monkeypatch):
@@ -288,4 +288,4 @@ def test_unknown_trl_code_raises(tokenizer, tmp_path, monkeypatch):
 
     monkeypatch.setattr(async_module, "_chunked_jsd_loss", changed)
     with pytest.raises(TRLProtocolError, match="_chunked_jsd_loss has the parameters"):
-        async_serving.serve(trainer, {})
+        async_serving.serve(trainer, find_row(trainer), {})

@@ -14,8 +14,7 @@ top-K divergence of the student at ``kd_temperature`` from the teacher's log-pro
 ``num_items_in_batch``. Its backward returns the gradients of ``kd_ce_alpha * CE_sum + kd_alpha * KD_sum``: the
 ``kd_temperature**2`` factor scales the reported value, not the gradient.
 
-:func:`serve_kd_trainer` (the serving table's :func:`serve`) replaces ``_kd_loss_fn`` on one trainer instance by :class:`FusedKDLoss`, which computes
-the same two sums with :func:`lce_patch.fused_linear_cross_entropy` (``shift=True``, ``reduction="sum"``) and
+:func:`serve` replaces ``_kd_loss_fn`` on one trainer instance by :class:`FusedKDLoss`, which computes the same two sums with :func:`lce_patch.fused_linear_cross_entropy` (``shift=True``, ``reduction="sum"``) and
 :func:`lce_patch.fused_linear_sparse_divergence` (``candidate_mask=target_mask``, ``renormalize=kd_normalize_topk``,
 ``reduction="sum"``), with the same value and the same gradients: the ``kd_temperature**2 - 1`` part of the KD term
 is added detached. axolotl's ``compute_loss`` (the model call, the division, evaluation) is unchanged.
@@ -25,26 +24,24 @@ logit scale (the plugin warns when the model has one), and a LoRA adapter on the
 the base weight). Detection is by feature: the trainer must derive from axolotl's ``AxolotlKDTrainer``, its loss
 object must be axolotl's class with the attributes and ``forward`` parameters used here, and ``compute_loss`` must
 call it; otherwise :class:`AxolotlKDProtocolError`. A subclass that overrides ``compute_loss`` keeps axolotl's
-loss, with a warning. :func:`unserve_kd_trainer` (:func:`unserve`) restores axolotl's loss object. The plugin serves
-the trainer once axolotl has built it (``post_trainer_create``: the loss object is set after ``Trainer.__init__``).
+loss, with a warning. :func:`unserve` restores axolotl's loss object. The plugin serves the trainer through its row
+of the serving table once axolotl has built it (``post_trainer_create``: the loss object is set after
+``Trainer.__init__``), with the warnings on axolotl's log.
 """
 
 from __future__ import annotations
 
-import functools
 import inspect
 import warnings
-from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from ...ops import fused_linear_cross_entropy, fused_linear_sparse_divergence
-from ..serving import base_class
+from ..serving import Row, base_class
 
-__all__ = ["AxolotlKDProtocolError", "FusedKDLoss", "serve", "serve_kd_trainer", "unserve", "unserve_kd_trainer"]
+__all__ = ["AxolotlKDProtocolError", "FusedKDLoss", "serve", "unserve"]
 
-_TRAINER = ("axolotl.integrations.kd.trainer", "AxolotlKDTrainer")
 _LOSS = ("axolotl.integrations.kd.kernels.liger", "LigerFusedLinearKLTopKLogprobLoss")
 _LOSS_ATTRS = (
     "weight_hard_loss",
@@ -80,10 +77,10 @@ def _axolotl_version() -> str:
         return "unknown"
 
 
-def _fail(what: str) -> None:
+def _fail(trainer_name: str, what: str) -> None:
     raise AxolotlKDProtocolError(
         f"lce_patch does not recognise the KD trainer of axolotl {_axolotl_version()}: {what}. lce_patch replaces "
-        "the loss object of axolotl 0.19's AxolotlKDTrainer with its fused ops. Upgrade lce_patch, pin an axolotl it "
+        f"the loss object of axolotl 0.19's {trainer_name} with its fused ops. Upgrade lce_patch, pin an axolotl it "
         "supports, or drop the lce_patch plugin for this distillation run."
     )
 
@@ -152,75 +149,65 @@ class FusedKDLoss(torch.nn.Module):
         return total
 
 
-def _check_protocol(trainer: Any, base: type) -> None:
+def _check_protocol(trainer: Any, row: Row, base: type) -> None:
     """Raise AxolotlKDProtocolError unless the trainer's loss object and compute_loss are the ones replicated."""
     loss = vars(trainer).get("_kd_loss_fn")
     if loss is None:
-        _fail("the trainer has no _kd_loss_fn")
+        _fail(row.name, "the trainer has no _kd_loss_fn")
     if base_class(loss, *_LOSS) is None:
-        _fail(f"its _kd_loss_fn is {type(loss).__name__}, not {_LOSS[1]}")
+        _fail(row.name, f"its _kd_loss_fn is {type(loss).__name__}, not {_LOSS[1]}")
     missing = [name for name in _LOSS_ATTRS if not hasattr(loss, name)]
     if missing:
-        _fail(f"its {_LOSS[1]} has no {', '.join(missing)}")
+        _fail(row.name, f"its {_LOSS[1]} has no {', '.join(missing)}")
     parameters = tuple(inspect.signature(type(loss).forward).parameters)
     if parameters != _FORWARD_PARAMETERS:
-        _fail(f"{_LOSS[1]}.forward has the parameters {parameters}")
+        _fail(row.name, f"{_LOSS[1]}.forward has the parameters {parameters}")
     compute_loss = inspect.getattr_static(base, "compute_loss", None)
     names = getattr(getattr(compute_loss, "__code__", None), "co_names", ())
     if "_kd_loss_fn" not in names:
-        _fail(f"{_TRAINER[1]}.compute_loss no longer calls _kd_loss_fn")
+        _fail(row.name, f"{row.name}.compute_loss no longer calls _kd_loss_fn")
 
 
-def serve_kd_trainer(
-    trainer: Any, options: dict[str, Any] | None = None, warn: Callable[[str], Any] | None = None
-) -> bool:
-    """Serve ``trainer`` (axolotl's ``AxolotlKDTrainer``) with lce_patch's ops; returns whether it is served.
+def serve(trainer: Any, row: Row, options: dict[str, Any]) -> bool:
+    """Serve ``trainer`` (axolotl's ``AxolotlKDTrainer``, ``row``'s class) with lce_patch's ops; returns whether it is
+    served.
 
-    ``options``: ``chunk_size`` and ``backend`` of the ops (others ignored). ``warn``: where the warnings go
-    (default ``warnings.warn``; the plugin passes axolotl's logger).
+    ``options``: ``chunk_size`` and ``backend`` of the ops (others ignored).
 
     Raises:
         AxolotlKDProtocolError: axolotl's trainer or loss object is not the one replicated here.
     """
-    base = base_class(trainer, *_TRAINER)
+    base = row.base_of(trainer)
     if base is None:
         return False
     if isinstance(vars(trainer).get("_kd_loss_fn"), FusedKDLoss):
         return True
-    _check_protocol(trainer, base)
-    warn = warn or functools.partial(warnings.warn, stacklevel=3)
+    _check_protocol(trainer, row, base)
     if inspect.getattr_static(type(trainer), "compute_loss") is not inspect.getattr_static(base, "compute_loss"):
-        warn(
-            f"lce_patch: {type(trainer).__name__} overrides {_TRAINER[1]}'s compute_loss; it keeps axolotl's own KD loss."
+        warnings.warn(
+            f"lce_patch: {type(trainer).__name__} overrides {row.name}'s compute_loss; it keeps axolotl's own KD loss.",
+            stacklevel=3,
         )
         return False
     unapplied = _unapplied_head_transform(getattr(trainer, "model", None))
     if unapplied:
-        warn(
+        warnings.warn(
             "lce_patch: axolotl's KD loss computes the student's logits as hidden @ lm_head.weight.T, without the "
-            f"model's {' and '.join(unapplied)}; lce_patch computes the same loss as axolotl."
+            f"model's {' and '.join(unapplied)}; lce_patch computes the same loss as axolotl.",
+            stacklevel=3,
         )
-    trainer._kd_loss_fn = FusedKDLoss(trainer._kd_loss_fn, dict(options or {}))
+    trainer._kd_loss_fn = FusedKDLoss(trainer._kd_loss_fn, dict(options))
     return True
 
 
-def unserve_kd_trainer(trainer: Any) -> bool:
-    """Undo :func:`serve_kd_trainer` on ``trainer``; returns whether it was served."""
+def unserve(trainer: Any, row: Row) -> bool:
+    """Undo :func:`serve` on ``trainer``; returns whether it was served."""
+    del row
     loss = vars(trainer).get("_kd_loss_fn")
     if not isinstance(loss, FusedKDLoss):
         return False
     trainer._kd_loss_fn = loss.original[0]
     return True
-
-
-def serve(trainer: Any, options: dict[str, Any]) -> bool:
-    """The serving protocol's ``serve``: :func:`serve_kd_trainer` with its warnings through ``warnings.warn``."""
-    return serve_kd_trainer(trainer, options)
-
-
-def unserve(trainer: Any) -> bool:
-    """The serving protocol's ``unserve``: :func:`unserve_kd_trainer`."""
-    return unserve_kd_trainer(trainer)
 
 
 def _unapplied_head_transform(model: Any) -> list[str]:

@@ -10,8 +10,8 @@ the ``lce_patch*`` keys below are validated with axolotl's own. The plugin then
   ``lora_modules_to_save`` work as with :func:`lce_patch.apply_fused_lce`);
 - hands the trainer a :class:`~lce_patch.FusedLCECallback`, which serves axolotl's trainer the way it serves
   ``transformers.Trainer`` (evaluation logits exactly where the Trainer needs them; TRL >= 1.15 heads);
-- with ``kd_trainer: true``, computes axolotl's KD loss with lce_patch's ops (``post_trainer_create``; see
-  ``kd.py``).
+- serves the trainer axolotl built through its row of the serving table (``post_trainer_create``): with
+  ``kd_trainer: true``, axolotl's KD loss through lce_patch's ops (see ``kd.py``).
 
 The plugin is also registered under the ``axolotl.plugins`` entry point (axolotl >= 0.21 loads those without
 a ``plugins:`` line), so it does nothing unless it is on: ``lce_patch: true``, or ``lce_patch`` unset and the
@@ -32,6 +32,7 @@ import difflib
 import importlib.metadata
 import importlib.util
 import re
+import warnings
 from pathlib import Path
 from typing import Any, Literal
 
@@ -40,7 +41,7 @@ from axolotl.utils.logging import get_logger
 from pydantic import BaseModel, Field, create_model, model_validator
 
 from ...models import OPTIONS, LCEOptions, option_names
-from ..serving import ROWS
+from ..serving import ROWS, serve_trainer
 
 __all__ = ["PACKAGE", "LCEPatchArgs", "LCEPatchPlugin", "is_enabled", "options_from", "patched_line"]
 
@@ -272,10 +273,16 @@ class LCEPatchPlugin(BasePlugin):
         return [callback]
 
     def post_trainer_create(self, cfg: Any, trainer: Any) -> None:
-        # `kd_trainer: true`: axolotl's KD loss (top-K divergence and cross-entropy) through lce_patch's ops
-        if not is_enabled(cfg) or not cfg.get("kd_trainer"):
+        # the trainer's row served by the plugin (`kd_trainer: true`: axolotl's KD loss), its warnings on axolotl's log
+        if not is_enabled(cfg):
             return
-        from .kd import serve_kd_trainer
-
-        if serve_kd_trainer(trainer, options_from(cfg), warn=LOG.warning):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            served = serve_trainer(trainer, options_from(cfg), when="plugin")
+        for warning in caught:
+            if str(warning.message).startswith("lce_patch:"):
+                LOG.warning(str(warning.message))
+            else:
+                warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)
+        if served:
             LOG.info("lce_patch: axolotl's KD loss runs through fused_linear_sparse_divergence and the fused CE")

@@ -20,12 +20,13 @@ import functools
 from typing import Any
 
 from ...models import unwrap_causal_lm
+from ..serving import Row
 from ..shared import head_log_probs, is_served, log_prob_options, replace_method, restore_method, run_in_forward
 from .protocol import served_base
 
 __all__ = ["serve", "unserve"]
 
-_A2PO = ("trl.experimental.a2po.a2po_trainer", "A2POTrainer", "_get_sequence_logps")
+_METHOD = "_get_sequence_logps"  # the method replaced
 _A2PO_NAMES = frozenset("logits model_kwarg_keys selective_log_softmax sum".split())
 
 
@@ -37,20 +38,19 @@ def _sequence_log_probs(model, input_ids, attention_mask, logits_to_keep, option
     return (per_token * attention_mask[:, -logits_to_keep:].to(per_token.device)).sum(dim=1)
 
 
-def serve(trainer: Any, options: dict[str, Any]) -> bool:
+def serve(trainer: Any, row: Row, options: dict[str, Any]) -> bool:
     """Serve ``trainer`` (a TRL ``A2POTrainer``): the policy's and the reference's sequence log-probabilities of the
     sampled completions through the fused op. Returns whether it is served.
 
     Raises:
         TRLProtocolError: TRL's ``_get_sequence_logps`` is not the one replicated here.
     """
-    module, name, method_name = _A2PO
-    if is_served(vars(trainer).get(method_name)):
+    if is_served(vars(trainer).get(_METHOD)):
         return True
-    if served_base(trainer, module, name, method_name, _A2PO_NAMES) is None:
+    if served_base(trainer, row, _METHOD, _A2PO_NAMES) is None:
         return False
     op_options = log_prob_options(options)
-    method = getattr(trainer, method_name)
+    method = getattr(trainer, _METHOD)
 
     @functools.wraps(method)
     def _get_sequence_logps(model, input_ids, attention_mask, logits_to_keep):
@@ -58,10 +58,11 @@ def serve(trainer: Any, options: dict[str, Any]) -> bool:
             trainer, model, _sequence_log_probs, input_ids, attention_mask, logits_to_keep, op_options
         )
 
-    replace_method(trainer, method_name, _get_sequence_logps)
+    replace_method(trainer, _METHOD, _get_sequence_logps)
     return True
 
 
-def unserve(trainer: Any) -> bool:
+def unserve(trainer: Any, row: Row) -> bool:
     """Undo :func:`serve` on ``trainer``; returns whether it was served."""
-    return restore_method(trainer, _A2PO[2])
+    del row
+    return restore_method(trainer, _METHOD)

@@ -19,6 +19,7 @@ subclass that overrides ``_compute_loss`` keeps TRL's path, with a warning.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import warnings
 from typing import Any
@@ -26,15 +27,14 @@ from typing import Any
 import torch
 
 from ...ops import fused_linear_sparse_divergence
-from ..serving import base_class
+from ..serving import Row
 from ..shared import code_names, divergence_options, function, overridden
 from .protocol import trainer_protocol_error
 from .redirect import FunctionRedirect
 
 __all__ = ["serve", "unserve"]
 
-_ASYNC = ("trl.experimental.async_distillation.async_distillation_trainer", "AsyncDistillationTrainer")
-_ASYNC_FUNCTION = "_chunked_jsd_loss"
+_ASYNC_FUNCTION = "_chunked_jsd_loss"  # the trainer's module's function its loss calls
 _ASYNC_PARAMETERS = (
     "hidden_valid",
     "lm_head_weight",
@@ -125,22 +125,26 @@ def _fused_chunked_jsd_loss(
     return (total, *return_sums)
 
 
-_ASYNC_REDIRECT = FunctionRedirect(_ASYNC[0], _ASYNC_FUNCTION, _fused_chunked_jsd_loss)
+@functools.cache
+def _redirect(module: str) -> FunctionRedirect:
+    """The redirection of the trainer module ``module``'s function, one per module."""
+    return FunctionRedirect(module, _ASYNC_FUNCTION, _fused_chunked_jsd_loss)
 
 
-def serve(trainer: Any, options: dict[str, Any]) -> bool:
+def serve(trainer: Any, row: Row, options: dict[str, Any]) -> bool:
     """Serve ``trainer`` (TRL's experimental ``AsyncDistillationTrainer``); returns whether it is served.
 
     Raises:
         TRLProtocolError: TRL's ``_compute_loss`` or ``_chunked_jsd_loss`` is not the one served here.
     """
-    module_name, name = _ASYNC
-    base = base_class(trainer, module_name, name)
+    name = row.name
+    base = row.base_of(trainer)
     if base is None:
         return False
-    if _ASYNC_REDIRECT.is_served(trainer._compute_loss):
+    redirect = _redirect(row.module)
+    if redirect.is_served(trainer._compute_loss):
         return True
-    original = _ASYNC_REDIRECT.original()
+    original = redirect.original()
     parameters = tuple(inspect.signature(original).parameters) if callable(original) else ()
     if parameters != _ASYNC_PARAMETERS:
         trainer_protocol_error(name, f"its module's {_ASYNC_FUNCTION} has the parameters {parameters}")
@@ -153,10 +157,10 @@ def serve(trainer: Any, options: dict[str, Any]) -> bool:
         )
         return False
     # TRL's chunked loss: fp32 logits
-    _ASYNC_REDIRECT.serve(trainer, "_compute_loss", divergence_options(options, fp32_logits=True))
+    redirect.serve(trainer, "_compute_loss", divergence_options(options, fp32_logits=True))
     return True
 
 
-def unserve(trainer: Any) -> bool:
+def unserve(trainer: Any, row: Row) -> bool:
     """Undo :func:`serve` on ``trainer``; returns whether it was served."""
-    return _ASYNC_REDIRECT.unserve(trainer, "_compute_loss")
+    return _redirect(row.module).unserve(trainer, "_compute_loss")

@@ -24,6 +24,7 @@ in the backward). An FSDP2 shard (a DTensor read outside its unit's forward) is 
 
 from __future__ import annotations
 
+import functools
 import inspect
 import warnings
 import weakref
@@ -34,14 +35,13 @@ import torch
 
 from ...models import head_call
 from ...ops import fused_linear_divergence
-from ..serving import base_class
+from ..serving import Row
 from ..shared import divergence_options
 from .redirect import FunctionRedirect
 
 __all__ = ["serve", "unserve"]
 
-_MODULE = "trl.trainer.distillation_trainer"
-_FUNCTION = "_chunked_divergence_loss"
+_FUNCTION = "_chunked_divergence_loss"  # the trainer's module's function its loss calls
 _KNOWN_PARAMETERS = (
     "student_hidden_states",
     "teacher_hidden_states",
@@ -187,34 +187,38 @@ def _heads(trainer: Any) -> Callable[[], tuple[torch.nn.Module | None, torch.nn.
     return heads
 
 
-_REDIRECT = FunctionRedirect(_MODULE, _FUNCTION, _fused_divergence_loss)
+@functools.cache
+def _redirect(module: str) -> FunctionRedirect:
+    """The redirection of the trainer module ``module``'s function, one per module."""
+    return FunctionRedirect(module, _FUNCTION, _fused_divergence_loss)
 
 
-def serve(trainer: Any, options: dict[str, Any]) -> bool:
+def serve(trainer: Any, row: Row, options: dict[str, Any]) -> bool:
     """Serve ``trainer`` (a TRL ``DistillationTrainer``) with the fused op; returns whether it is served.
 
     ``options``: ``chunk_size`` and ``backend`` of :func:`lce_patch.fused_linear_divergence` (others ignored); the op
     runs with fp32 logits and an fp32-accumulated dW, the precision of the TRL kernel it replaces.
     """
-    if base_class(trainer, _MODULE, "DistillationTrainer") is None:
+    if row.base_of(trainer) is None:
         return False
-    if _REDIRECT.is_served(trainer._compute_loss):
+    redirect = _redirect(row.module)
+    if redirect.is_served(trainer._compute_loss):
         return True
-    original = _REDIRECT.original()
+    original = redirect.original()
     names = tuple(inspect.signature(original).parameters) if callable(original) else ()
     if names != _KNOWN_PARAMETERS:
         warnings.warn(
-            f"lce_patch: this TRL's {_MODULE}.{_FUNCTION} has the parameters {names}, not the known ones; "
-            "the DistillationTrainer keeps TRL's own divergence kernel.",
+            f"lce_patch: this TRL's {row.module}.{_FUNCTION} has the parameters {names}, not the known ones; "
+            f"the {row.name} keeps TRL's own divergence kernel.",
             stacklevel=2,
         )
         return False
     # TRL's chunked kernel: fp32 logits and dW
     op_options = divergence_options(options, fp32_logits=True)
-    _REDIRECT.serve(trainer, "_compute_loss", {"op": op_options, "heads": _heads(trainer)})
+    redirect.serve(trainer, "_compute_loss", {"op": op_options, "heads": _heads(trainer)})
     return True
 
 
-def unserve(trainer: Any) -> bool:
+def unserve(trainer: Any, row: Row) -> bool:
     """Undo :func:`serve` on ``trainer``; returns whether it was served."""
-    return _REDIRECT.unserve(trainer, "_compute_loss")
+    return _redirect(row.module).unserve(trainer, "_compute_loss")

@@ -27,12 +27,10 @@ import torch
 
 from ...models import get_head_config, head_call, unwrap_causal_lm
 from ...ops import fused_linear_divergence
-from ..serving import base_class
+from ..serving import Row
 from ..shared import divergence_options, function, is_served, replace_method, restore_method, run_in_forward
 
 __all__ = ["gkd_loss", "serve", "unserve"]
-
-_GKD = ("trl.experimental.gkd.gkd_trainer", "GKDTrainer")
 
 
 def _last_hidden_state(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
@@ -86,13 +84,13 @@ def gkd_loss(
     return head_call(teacher_head, with_teacher_head, teacher_hidden)
 
 
-def serve(trainer: Any, options: dict[str, Any]) -> bool:
+def serve(trainer: Any, row: Row, options: dict[str, Any]) -> bool:
     """Serve ``trainer`` (a TRL ``GKDTrainer``) with the fused op; returns whether it is served.
 
     ``options``: ``chunk_size``, ``backend`` and ``fp32_weight_grad`` of :func:`lce_patch.fused_linear_divergence`
     (others ignored); the logits stay in the compute dtype, as in TRL's loss on the model's logits.
     """
-    gkd = base_class(trainer, *_GKD)
+    gkd = row.base_of(trainer)
     if gkd is None:
         return False
     method = trainer.compute_loss
@@ -101,7 +99,7 @@ def serve(trainer: Any, options: dict[str, Any]) -> bool:
     cls = type(trainer)
     if any(function(cls, name) is not function(gkd, name) for name in ("compute_loss", "generalized_jsd_loss")):
         warnings.warn(
-            f"lce_patch: {cls.__name__} overrides GKDTrainer's compute_loss or generalized_jsd_loss; it keeps its "
+            f"lce_patch: {cls.__name__} overrides {row.name}'s compute_loss or generalized_jsd_loss; it keeps its "
             "own (unfused) loss.",
             stacklevel=2,
         )
@@ -120,6 +118,7 @@ def serve(trainer: Any, options: dict[str, Any]) -> bool:
     return True
 
 
-def unserve(trainer: Any) -> bool:
+def unserve(trainer: Any, row: Row) -> bool:
     """Undo :func:`serve` on ``trainer``; returns whether it was served."""
+    del row
     return restore_method(trainer, "compute_loss")

@@ -16,9 +16,11 @@ Detection is by feature, not by version: the forward's code object is named ``_f
 ``outputs``, ``temperature``, ...); its signature and TRL's ``FusedCausalLMOutput`` fields are the known ones. Anything
 else TRL installed on the forward raises :class:`TRLProtocolError`, naming the TRL version and what is unrecognised.
 
-As a serving module (``lce_patch.integrations.serving``), :func:`serve` serves the fused heads on a trainer's
-policy and reference model, and :func:`unserve` puts TRL's back. ``FusedLCECallback`` serves them at
-``on_train_begin`` (TRL installs its head after ``Trainer.__init__``) for any trainer whose model carries one.
+As a serving module (``lce_patch.integrations.serving``, the rows served at ``"train"``), :func:`serve` serves the
+fused heads on a trainer's policy and reference model, and :func:`unserve` puts TRL's back. ``FusedLCECallback``
+serves them at ``on_train_begin`` (TRL installs its head after ``Trainer.__init__``); :func:`prepare`, at the end of
+``Trainer.__init__``, has the reference-log-prob precompute that DPO and KTO run inside their ``__init__`` serve
+them first.
 """
 
 from __future__ import annotations
@@ -37,8 +39,8 @@ import torch
 
 from ... import ops as _ops
 from ...models import LCEOptions, get_head_config, head_call, unwrap_causal_lm
-from ..serving import SERVED
-from ..shared import IGNORE_INDEX, load_balancing_loss, log_prob_options
+from ..serving import SERVED, Row
+from ..shared import IGNORE_INDEX, is_served, load_balancing_loss, log_prob_options, replace_method, restore_method
 from .protocol import TRLProtocolError, trl_version
 
 __all__ = [
@@ -46,6 +48,7 @@ __all__ = [
     "install_heads",
     "is_head_served",
     "maybe_install_trl_head",
+    "prepare",
     "remove_trl_head",
     "serve",
     "unserve",
@@ -79,6 +82,7 @@ _OUTPUT_FIELDS = (
 # Per-token outputs TRL can request (this module computes each of them)
 _TRL_OUTPUTS = frozenset({"log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1"})
 _MAX_WRAPPER_DEPTH = 16
+_PRECOMPUTE = "_precompute_ref_logps"  # TRL's trainer method that scores the reference model inside __init__
 
 
 def _fail(what: str) -> NoReturn:
@@ -539,16 +543,35 @@ def install_heads(
     return maybe_install_trl_head(model, dict(options), precompute_grad=precompute_grad)
 
 
-def serve(trainer: Any, options: dict[str, Any]) -> bool:
+def serve(trainer: Any, row: Row, options: dict[str, Any]) -> bool:
     """Serve the fused heads TRL installed on ``trainer.model`` and ``trainer.ref_model``; whether the policy has
     one. With SFT's plain NLL (``loss_type="nll"``) the op precomputes that loss's gradient in the forward."""
+    del row  # every fused-head row is served alike
     plain_nll = getattr(getattr(trainer, "args", None), "loss_type", None) == "nll"
     return install_heads(getattr(trainer, "model", None), getattr(trainer, "ref_model", None), options, plain_nll)
 
 
-def unserve(trainer: Any) -> bool:
-    """Put TRL's fused heads back on ``trainer.model`` and ``trainer.ref_model``; whether one was served."""
-    removed = False
+def prepare(trainer: Any, row: Row, options: dict[str, Any]) -> None:
+    """At the end of ``Trainer.__init__``: make the reference-log-prob precompute that TRL's DPO and KTO run inside
+    their ``__init__`` (``precompute_ref_log_probs=True``), once they have installed their heads, serve those heads
+    first (:func:`serve`), on this trainer instance only."""
+    precompute = getattr(trainer, _PRECOMPUTE, None)
+    if not callable(precompute) or is_served(precompute):
+        return
+
+    @functools.wraps(precompute)
+    def precompute_ref_logps(*args: Any, **kwargs: Any) -> Any:
+        serve(trainer, row, options)
+        return precompute(*args, **kwargs)
+
+    replace_method(trainer, _PRECOMPUTE, precompute_ref_logps)
+
+
+def unserve(trainer: Any, row: Row) -> bool:
+    """Put TRL's fused heads back on ``trainer.model`` and ``trainer.ref_model``, and its reference-log-prob precompute
+    (:func:`prepare`); whether one was served."""
+    del row
+    removed = restore_method(trainer, _PRECOMPUTE)
     for model in (getattr(trainer, "model", None), getattr(trainer, "ref_model", None)):
         if isinstance(model, torch.nn.Module):
             removed = remove_trl_head(model) or removed

@@ -19,12 +19,13 @@ from typing import Any
 import torch
 
 from ...models import unwrap_causal_lm
+from ..serving import Row
 from ..shared import head_log_probs, is_served, log_prob_options, replace_method, restore_method, run_in_forward
 from .protocol import served_base
 
 __all__ = ["serve", "unserve"]
 
-_ONLINE_DPO = ("trl.experimental.online_dpo.online_dpo_trainer", "OnlineDPOTrainer", "_forward")
+_METHOD = "_forward"  # the method replaced
 _ONLINE_DPO_NAMES = frozenset(
     "cat log_softmax logits max max_length size squeeze take_along_dim torch unsqueeze".split()
 )
@@ -36,20 +37,19 @@ def _online_dpo_log_probs(model, prompt_completion_ids, attention_mask, completi
     return head_log_probs(causal_lm, outputs.last_hidden_state[:, start:end], completion_ids, options).log_probs
 
 
-def serve(trainer: Any, options: dict[str, Any]) -> bool:
+def serve(trainer: Any, row: Row, options: dict[str, Any]) -> bool:
     """Serve ``trainer`` (a TRL ``OnlineDPOTrainer``): the policy's and the reference's completion log-probabilities
     through the fused op. Returns whether it is served.
 
     Raises:
         TRLProtocolError: TRL's ``_forward`` is not the one replicated here.
     """
-    module, name, method_name = _ONLINE_DPO
-    if is_served(vars(trainer).get(method_name)):
+    if is_served(vars(trainer).get(_METHOD)):
         return True
-    if served_base(trainer, module, name, method_name, _ONLINE_DPO_NAMES) is None:
+    if served_base(trainer, row, _METHOD, _ONLINE_DPO_NAMES) is None:
         return False
     op_options = log_prob_options(options)
-    method = getattr(trainer, method_name)
+    method = getattr(trainer, _METHOD)
 
     @functools.wraps(method)
     def _forward(model, prompt_ids, prompt_mask, completion_ids, completion_mask, vision_inputs=None):
@@ -75,10 +75,11 @@ def serve(trainer: Any, options: dict[str, Any]) -> bool:
             op_options,
         )
 
-    replace_method(trainer, method_name, _forward)
+    replace_method(trainer, _METHOD, _forward)
     return True
 
 
-def unserve(trainer: Any) -> bool:
+def unserve(trainer: Any, row: Row) -> bool:
     """Undo :func:`serve` on ``trainer``; returns whether it was served."""
-    return restore_method(trainer, _ONLINE_DPO[2])
+    del row
+    return restore_method(trainer, _METHOD)

@@ -39,7 +39,7 @@ from typing import Any
 import torch
 
 from ...models import unwrap_causal_lm
-from ..serving import mro_lookup
+from ..serving import Row
 from ..shared import (
     IGNORE_INDEX,
     function,
@@ -60,10 +60,8 @@ _REPLACED = ("concatenated_forward", "get_batch_logps", "get_batch_loss_metrics"
 
 @dataclass(frozen=True)
 class _Spec:
-    """One trainer's ``concatenated_forward`` as TRL 1.16 writes it."""
+    """One trainer's ``concatenated_forward`` as TRL 1.16 writes it (the trainer: the row of that variant)."""
 
-    module: str
-    name: str
     padding_attr: str  # the trainer attribute it pads the input ids with
     nll_over_attended: bool  # NLL labels: every attended token (ORPO), or the completion labels (CPO)
     last_position_logits: bool  # whether the logits it returns include the last position (CPO) or not (ORPO)
@@ -82,10 +80,8 @@ _COMMON_METRICS = frozenset(
 )
 _LOGPS = frozenset("ValueError clone selective_log_softmax shape sum".split())
 
-_SPECS = (
-    _Spec(
-        module="trl.experimental.orpo.orpo_trainer",
-        name="ORPOTrainer",
+_SPECS = {  # by the rows' variant
+    "orpo": _Spec(
         padding_attr="padding_value",
         nll_over_attended=True,
         last_position_logits=False,
@@ -99,9 +95,7 @@ _SPECS = (
         },
         constants=("concatenated_labels", "concatenated_input_ids", "concatenated_attention_mask", -100, -1),
     ),
-    _Spec(
-        module="trl.experimental.cpo.cpo_trainer",
-        name="CPOTrainer",
+    "cpo": _Spec(
         padding_attr="pad_token_id",
         nll_over_attended=False,
         last_position_logits=True,
@@ -114,39 +108,33 @@ _SPECS = (
         },
         constants=("concatenated_labels", "concatenated_input_ids", "concatenated_attention_mask", ("ipo", "simpo")),
     ),
-)
+}
 _AVERAGED_LOSS_TYPES = ("ipo", "simpo")  # CPO's, also checked among the method's constants
 
 
-def _spec_for(trainer: Any) -> tuple[_Spec, type] | None:
-    """The spec and TRL class the trainer derives from, found by module and name (nothing is imported)."""
-    found = mro_lookup(type(trainer), {(spec.module, spec.name): spec for spec in _SPECS})
-    return None if found is None else (found[1], found[0])
-
-
-def _check_protocol(spec: _Spec, base: type) -> None:
-    """Raise TRLProtocolError unless TRL's methods are the ones replicated here."""
+def _check_protocol(spec: _Spec, name: str, base: type) -> None:
+    """Raise TRLProtocolError unless TRL's methods (of its class ``name``) are the ones replicated here."""
     for method, known in spec.names.items():
-        check_names(spec.name, base, method, known)
+        check_names(name, base, method, known)
     forward = function(base, "concatenated_forward")
     if tuple(inspect.signature(forward).parameters) != ("self", "model", "batch"):
         trainer_protocol_error(
-            spec.name, f"concatenated_forward has the parameters {tuple(inspect.signature(forward).parameters)}"
+            name, f"concatenated_forward has the parameters {tuple(inspect.signature(forward).parameters)}"
         )
     constants = forward.__code__.co_consts
     missing = [c for c in spec.constants if not any(type(c) is type(k) and c == k for k in constants)]
     if missing:
-        trainer_protocol_error(spec.name, f"concatenated_forward no longer uses the constants {missing}")
+        trainer_protocol_error(name, f"concatenated_forward no longer uses the constants {missing}")
 
 
-def _servable(trainer: Any, spec: _Spec, base: type) -> bool:
+def _servable(trainer: Any, trainer_name: str, base: type) -> bool:
     """Whether ``trainer`` runs TRL's methods; warns and returns False where it does not."""
     cls = type(trainer)
     overridden = [name for name in _REPLACED if function(cls, name) is not function(base, name)]
     overridden += [name for name in _REPLACED if name in vars(trainer)]
     reason = None
     if overridden:
-        reason = f"{cls.__name__} overrides {spec.name}'s {', '.join(sorted(set(overridden)))}"
+        reason = f"{cls.__name__} overrides {trainer_name}'s {', '.join(sorted(set(overridden)))}"
     elif getattr(trainer, "is_encoder_decoder", False):
         reason = "the model is an encoder-decoder"
     if reason is None:
@@ -247,8 +235,9 @@ def preference_forward(
     return outputs
 
 
-def serve(trainer: Any, options: dict[str, Any]) -> bool:
-    """Serve ``trainer`` (a TRL ``ORPOTrainer`` or ``CPOTrainer``) with the fused op; returns whether it is served.
+def serve(trainer: Any, row: Row, options: dict[str, Any]) -> bool:
+    """Serve ``trainer`` (a TRL ``ORPOTrainer`` or ``CPOTrainer``: ``row.variant``) with the fused op; returns whether
+    it is served.
 
     ``options``: the callback's; ``backend`` and ``chunk_size`` reach the op, ``label_smoothing``, ``z_loss`` and
     ``ignore_index`` must be neutral (TRL's terms are plain log-probabilities).
@@ -256,14 +245,14 @@ def serve(trainer: Any, options: dict[str, Any]) -> bool:
     Raises:
         TRLProtocolError: the trainer derives from TRL's class but TRL's methods are not the ones replicated here.
     """
-    found = _spec_for(trainer)
-    if found is None:
+    base = row.base_of(trainer)
+    if base is None:
         return False
-    spec, base = found
+    spec = _SPECS[row.variant]
     if is_served(vars(trainer).get("concatenated_forward")):
         return True
-    _check_protocol(spec, base)
-    if not _servable(trainer, spec, base):
+    _check_protocol(spec, row.name, base)
+    if not _servable(trainer, row.name, base):
         return False
     op_options = log_prob_options(options)
     method = trainer.concatenated_forward
@@ -301,6 +290,7 @@ def serve(trainer: Any, options: dict[str, Any]) -> bool:
     return True
 
 
-def unserve(trainer: Any) -> bool:
+def unserve(trainer: Any, row: Row) -> bool:
     """Undo :func:`serve` on ``trainer``; returns whether it was served."""
+    del row
     return restore_method(trainer, "concatenated_forward")

@@ -18,7 +18,7 @@ import inspect
 import warnings
 from typing import Any, NoReturn
 
-from ..serving import base_class
+from ..serving import Row
 from ..shared import code_names, function
 
 __all__ = [
@@ -97,14 +97,15 @@ def check_names(trainer_name: str, base: type, method: str, known: frozenset[str
         )
 
 
-def served_base(trainer: Any, module: str, name: str, method: str, known: frozenset[str]) -> type | None:
-    """TRL's class ``module.name`` among the trainer's bases, if the trainer runs its ``method`` and that method uses
-    the ``known`` names; None (with a warning where a subclass overrides the method) otherwise.
+def served_base(trainer: Any, row: Row, method: str, known: frozenset[str]) -> type | None:
+    """TRL's class of ``row`` among the trainer's bases, if the trainer runs its ``method`` and that method uses the
+    ``known`` names; None (with a warning where a subclass overrides the method) otherwise.
 
     Raises:
         TRLProtocolError: TRL's method is not the one replicated here.
     """
-    base = base_class(trainer, module, name)
+    name = row.name
+    base = row.base_of(trainer)
     if base is None:
         return None
     check_names(name, base, method, known)

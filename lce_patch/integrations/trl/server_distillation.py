@@ -24,13 +24,12 @@ import torch
 
 from ...models import get_head_config, head_call, unwrap_causal_lm
 from ...ops import fused_linear_sparse_divergence
-from ..serving import base_class
+from ..serving import Row
 from ..shared import divergence_options, is_served, overridden, replace_method, restore_method, run_in_forward
 from .protocol import check_names
 
 __all__ = ["serve", "unserve"]
 
-_SERVER = ("trl.experimental.server_distillation.server_distillation_trainer", "ServerDistillationTrainer")
 # TRL 1.16's methods whose work is replicated here, with the names their code uses
 _SERVER_NAMES = {
     "compute_loss": frozenset(
@@ -154,14 +153,14 @@ def _server_loss(trainer, model, inputs, options):
     return loss
 
 
-def serve(trainer: Any, options: dict[str, Any]) -> bool:
+def serve(trainer: Any, row: Row, options: dict[str, Any]) -> bool:
     """Serve ``trainer`` (TRL's experimental ``ServerDistillationTrainer``); returns whether it is served.
 
     Raises:
         TRLProtocolError: TRL's methods are not the ones replicated here.
     """
-    module_name, name = _SERVER
-    base = base_class(trainer, module_name, name)
+    name = row.name
+    base = row.base_of(trainer)
     if base is None:
         return False
     method = trainer.compute_loss
@@ -190,6 +189,7 @@ def serve(trainer: Any, options: dict[str, Any]) -> bool:
     return True
 
 
-def unserve(trainer: Any) -> bool:
+def unserve(trainer: Any, row: Row) -> bool:
     """Undo :func:`serve` on ``trainer``; returns whether it was served."""
+    del row
     return restore_method(trainer, "compute_loss")

@@ -23,12 +23,13 @@ import torch
 import torch.nn.functional as F
 
 from ...models import unwrap_causal_lm
+from ..serving import Row
 from ..shared import head_log_probs, is_served, log_prob_options, replace_method, restore_method, run_in_forward
 from .protocol import served_base
 
 __all__ = ["serve", "unserve"]
 
-_TPO = ("trl.experimental.tpo.tpo_trainer", "TPOTrainer", "_compute_loss")
+_METHOD = "_compute_loss"  # the method replaced
 _TPO_NAMES = frozenset(
     "F ValueError _metrics _total_train_tokens _tp_size accelerator append argmax beta bool chunk clamp cross_entropy "
     "detach float gather gather_for_metrics item items label_smoothing logits logsigmoid loss_type mean model relu "
@@ -138,19 +139,18 @@ def _tpo_loss(trainer, model, inputs, options):
     return loss
 
 
-def serve(trainer: Any, options: dict[str, Any]) -> bool:
+def serve(trainer: Any, row: Row, options: dict[str, Any]) -> bool:
     """Serve ``trainer`` (a TRL ``TPOTrainer``) with the fused op; returns whether it is served.
 
     Raises:
         TRLProtocolError: TRL's ``_compute_loss`` is not the one replicated here.
     """
-    module, name, method_name = _TPO
-    if is_served(vars(trainer).get(method_name)):
+    if is_served(vars(trainer).get(_METHOD)):
         return True
-    if served_base(trainer, module, name, method_name, _TPO_NAMES) is None:
+    if served_base(trainer, row, _METHOD, _TPO_NAMES) is None:
         return False
     op_options = log_prob_options(options)
-    method = getattr(trainer, method_name)
+    method = getattr(trainer, _METHOD)
 
     @functools.wraps(method)
     def _compute_loss(model, inputs, return_outputs):
@@ -158,10 +158,11 @@ def serve(trainer: Any, options: dict[str, Any]) -> bool:
             return method(model, inputs, return_outputs)
         return _tpo_loss(trainer, model, inputs, op_options)
 
-    replace_method(trainer, method_name, _compute_loss)
+    replace_method(trainer, _METHOD, _compute_loss)
     return True
 
 
-def unserve(trainer: Any) -> bool:
+def unserve(trainer: Any, row: Row) -> bool:
     """Undo :func:`serve` on ``trainer``; returns whether it was served."""
-    return restore_method(trainer, _TPO[2])
+    del row
+    return restore_method(trainer, _METHOD)

@@ -17,7 +17,7 @@ import warnings
 from typing import Any
 
 from ...models import is_patched, revert_fused_lce
-from ..serving import ROWS, find_row, without_fused_head
+from ..serving import ROWS, Row, without_fused_head
 from ..shared import is_served, replace_method, restore_method
 from .protocol import no_fused_head_warning
 
@@ -34,13 +34,12 @@ def _warn_once(name: str, message: str) -> None:
         warnings.warn(message, stacklevel=4)
 
 
-def serve(trainer: Any, options: dict[str, Any]) -> bool:
-    """Warn, once per trainer class, that ``trainer`` (a class the serving table routes to this module) trains as
-    without lce_patch; on a TRL without the fused LM head, also make its ``compute_loss`` revert the model's patch.
-    Returns False: nothing is served."""
+def serve(trainer: Any, row: Row, options: dict[str, Any]) -> bool:
+    """Warn, once per trainer class, that ``trainer`` (of ``row``'s class, which the serving table routes to this
+    module) trains as without lce_patch; on a TRL without the fused LM head, also make its ``compute_loss`` revert the
+    model's patch. Returns False: nothing is served."""
     del options
-    row = find_row(trainer)
-    if row is None or row.serving != __name__:
+    if row.serving != __name__:
         return False
     if row is without_fused_head(_TABLE.get(row.key, row)):  # a fused-head row, on TRL < 1.15
         _warn_once(row.name, no_fused_head_warning(row.name))
@@ -70,7 +69,8 @@ def _reverting_compute_loss(trainer: Any) -> Any:
     return served
 
 
-def unserve(trainer: Any) -> bool:
+def unserve(trainer: Any, row: Row) -> bool:
     """Put back the ``compute_loss`` that :func:`serve` wrapped on a trainer without TRL's fused head; whether there
     was one. (The model's patch, reverted by that wrapper, stays reverted.)"""
+    del row
     return restore_method(trainer, "compute_loss")
