@@ -25,6 +25,7 @@ import random
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -71,13 +72,6 @@ def free() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
-
-
-def _version(dist: str) -> str | None:
-    try:
-        return importlib.metadata.version(dist)
-    except importlib.metadata.PackageNotFoundError:
-        return None
 
 
 TREE_MANIFEST = ".tree.json"  # written by checks/run_all.py --export beside a committed tree without .git
@@ -202,6 +196,34 @@ def add_timing_args(parser, rounds: int, budget_min: float, out_name: str) -> No
     parser.add_argument("--md", default=None, help="markdown report path (default: --out with .md)")
 
 
+def add_out_arg(parser, folder: str, help: str = "folder of the JSON (or its path)") -> None:
+    """--out: $OUT, else runs/<folder> of the checkout."""
+    parser.add_argument("--out", default=os.environ.get("OUT") or str(REPO / "runs" / folder), help=help)
+
+
+def add_sharded_head_args(parser, shapes: dict, tokens: str, tokens_help: str, warmup: int, steps: int) -> None:
+    """The vocabulary-parallel head benchmarks' options: --shapes (of ``shapes``), --tokens, --warmup, --steps,
+    --cpu."""
+    parser.add_argument("--shapes", default=",".join(shapes), help=f"comma-separated, of {sorted(shapes)}")
+    parser.add_argument("--tokens", default=tokens, help=tokens_help)
+    parser.add_argument("--warmup", type=int, default=warmup)
+    parser.add_argument("--steps", type=int, default=steps)
+    parser.add_argument("--cpu", action="store_true", help="tiny shapes, fp32, CPU processes over gloo (smoke test)")
+
+
+def init_distributed(cpu: bool) -> torch.device:
+    """Join the launch's process group: gloo on the CPU, or NCCL bound to this rank's GPU (LOCAL_RANK)."""
+    import torch.distributed as dist
+
+    if cpu:
+        dist.init_process_group("gloo")
+        return torch.device("cpu")
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    torch.cuda.set_device(device)
+    dist.init_process_group("nccl", device_id=device)
+    return device
+
+
 def write_markdown(title: str, result: dict, args, seconds: float, table, summary, summary_title: str) -> None:
     """A benchmark's markdown report: ``title``, ``table(block)`` per shape, ``summary(blocks)`` under
     ``summary_title``, the shapes skipped past ``--budget-min``; written to ``--md`` (or beside ``--out``) and
@@ -214,6 +236,48 @@ def write_markdown(title: str, result: dict, args, seconds: float, table, summar
     if md:
         Path(md).write_text(report)
     print("\n" + report + f"\ntotal {seconds:.0f} s; JSON: {args.out}; markdown: {md}")
+
+
+def device_and_dtype(cpu: bool) -> tuple[torch.device, torch.dtype]:
+    """The GPU in bf16 when there is one and ``cpu`` is not asked for; else the CPU in fp32."""
+    device = torch.device("cuda" if torch.cuda.is_available() and not cpu else "cpu")
+    return device, torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+def synchronizer(device: torch.device | str):
+    """``torch.cuda.synchronize`` on a CUDA device, else a function doing nothing."""
+    return torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
+
+
+def timed_calls(fn, times: list[float], sync, scale: float = 1.0):
+    """``fn`` wrapped: each call synchronised before and after, its seconds times ``scale`` appended to ``times``."""
+
+    def timed_fn(*args, **kwargs):
+        sync()
+        start = time.perf_counter()
+        out = fn(*args, **kwargs)
+        sync()
+        times.append((time.perf_counter() - start) * scale)
+        return out
+
+    return timed_fn
+
+
+def repeat_ms(fn, reps: int, sync) -> list[float]:
+    """Milliseconds of ``reps`` synchronised calls of ``fn``."""
+    times: list[float] = []
+    timed_fn = timed_calls(fn, times, sync, scale=1e3)
+    for _ in range(reps):
+        timed_fn()
+    return times
+
+
+def dist_version(dist: str) -> str | None:
+    """The installed version of distribution ``dist``, None where it is not installed."""
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
 
 
 def write_json(path: Path, record: dict) -> Path:
@@ -246,14 +310,14 @@ def env_info() -> dict:
         "commit": tree["commit"],
         "dirty": tree["dirty"],
         "commit_source": tree["source"],
-        "liger_kernel": _version("liger-kernel"),
-        "cut_cross_entropy": _version("cut-cross-entropy"),
-        "trl": _version("trl"),
-        "transformers": _version("transformers"),
-        "accelerate": _version("accelerate"),
-        "deepspeed": _version("deepspeed"),
-        "peft": _version("peft"),
-        "datasets": _version("datasets"),
+        "liger_kernel": dist_version("liger-kernel"),
+        "cut_cross_entropy": dist_version("cut-cross-entropy"),
+        "trl": dist_version("trl"),
+        "transformers": dist_version("transformers"),
+        "accelerate": dist_version("accelerate"),
+        "deepspeed": dist_version("deepspeed"),
+        "peft": dist_version("peft"),
+        "datasets": dist_version("datasets"),
         **{name: os.environ.get(name) for name in MULTICAST_OFF},
     }
 

@@ -22,7 +22,6 @@ import json
 import os
 import statistics
 import sys
-import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -87,6 +86,7 @@ def build(method: str, h, w, ht, wt, beta: float):
 
 def measure(fn, params, reps: int, device) -> dict:
     import torch
+    from bench_common import repeat_ms, synchronizer
 
     def step():
         for p in params:
@@ -97,7 +97,7 @@ def measure(fn, params, reps: int, device) -> dict:
 
     loss = step()  # warm-up (and Triton compilation)
     step()
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    sync = synchronizer(device)
     sync()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
@@ -107,13 +107,7 @@ def measure(fn, params, reps: int, device) -> dict:
     step()
     sync()
     peak = (torch.cuda.max_memory_allocated() - base) / 2**20 if device.type == "cuda" else None
-    times = []
-    for _ in range(reps):
-        sync()
-        start = time.perf_counter()
-        step()
-        sync()
-        times.append((time.perf_counter() - start) * 1e3)
+    times = repeat_ms(step, reps, sync)
     return dict(ms=statistics.median(times), peak_mib_above_inputs=peak, loss=loss.item())
 
 
@@ -144,6 +138,7 @@ def errors(method: str, h, w, ht, wt, beta: float) -> dict:
 
 def gemm_floor(h, w, ht, wt, reps: int, device) -> float:
     import torch
+    from bench_common import repeat_ms, synchronizer
 
     logits_grad = torch.empty(h.shape[0], w.shape[0], dtype=h.dtype, device=device)
 
@@ -154,15 +149,7 @@ def gemm_floor(h, w, ht, wt, reps: int, device) -> float:
         logits_grad.T @ h
 
     gemms()
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    times = []
-    for _ in range(reps):
-        sync()
-        start = time.perf_counter()
-        gemms()
-        sync()
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
+    return statistics.median(repeat_ms(gemms, reps, synchronizer(device)))
 
 
 def main() -> None:
@@ -188,10 +175,9 @@ def main() -> None:
     args = parser.parse_args()
 
     import torch
-    from bench_common import env_info, free
+    from bench_common import device_and_dtype, env_info, free
 
-    device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    device, dtype = device_and_dtype(args.tiny)
     shapes = ["tiny"] if args.tiny else args.shapes.split(",")
     results = []
     for name in shapes:

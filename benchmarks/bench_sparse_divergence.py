@@ -79,6 +79,7 @@ from bench_common import (
     ERROR_COLUMNS,
     add_timing_args,
     cells,
+    dist_version,
     env_info,
     fmt,
     free,
@@ -616,7 +617,7 @@ def main(argv=None) -> int:
     t_start = time.time()
     set_exact_fp32()  # the fp32 reference (and TRL's fp32 logits) without TF32: PyTorch's default
     env = env_info()
-    env["axolotl"] = _dist_version("axolotl")
+    env["axolotl"] = dist_version("axolotl")
     print(
         f"{env['device']} | torch {env['torch']} | triton {env['triton']} | lce_patch {env['lce_patch']} ({env['git']})"
     )
@@ -644,15 +645,6 @@ def main(argv=None) -> int:
     summary_title = "Summary (peer over lce_patch, same loss definition)"
     write_markdown(title, result, args, time.time() - t_start, table, summary, summary_title)
     return 0
-
-
-def _dist_version(dist: str) -> str | None:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version(dist)
-    except PackageNotFoundError:
-        return None
 
 
 if __name__ == "__main__":

@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import cProfile
 import io
-import os
 import pstats
 import statistics
 import sys
@@ -44,7 +43,14 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from bench_common import CUDA_LAUNCH_CALLS, env_info, write_json  # noqa: E402
+from bench_common import (  # noqa: E402
+    CUDA_LAUNCH_CALLS,
+    add_out_arg,
+    add_sharded_head_args,
+    env_info,
+    init_distributed,
+    write_json,
+)
 
 from lce_patch import VocabShard, fused_linear_cross_entropy  # noqa: E402
 
@@ -55,14 +61,10 @@ VARIANTS = ("unpatched", "patched", "patched_all_rows", "patched_local", "one_gp
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated, of {sorted(SHAPES)}")
-    parser.add_argument("--tokens", default="4096,8192", help="comma-separated tokens per call (rows of 2048)")
+    add_sharded_head_args(parser, SHAPES, "4096,8192", "comma-separated tokens per call (rows of 2048)", 8, 30)
     parser.add_argument("--shards", type=int, default=4, help="one process alone: hold one of this many shards")
-    parser.add_argument("--warmup", type=int, default=8)
-    parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--cprofile", action="store_true", help="also write Python profiles (unpatched, patched)")
-    parser.add_argument("--cpu", action="store_true", help="tiny shapes, fp32, CPU processes over gloo (smoke test)")
-    parser.add_argument("--out", default=os.environ.get("OUT") or str(REPO / "runs" / "bench_tp_head_host"))
+    add_out_arg(parser, "bench_tp_head_host")
     return parser.parse_args(argv)
 
 
@@ -194,13 +196,7 @@ def run_shape(name: str, tokens: int, args, mesh, rank: int, world: int, device,
 def main(argv=None) -> int:
     args = parse_args(argv)
     cuda = not args.cpu
-    if cuda:
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-        torch.cuda.set_device(device)
-        dist.init_process_group("nccl", device_id=device)
-    else:
-        device = torch.device("cpu")
-        dist.init_process_group("gloo")
+    device = init_distributed(args.cpu)
     from torch.distributed.device_mesh import init_device_mesh
 
     rank, world = dist.get_rank(), dist.get_world_size()

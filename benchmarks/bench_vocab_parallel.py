@@ -14,7 +14,6 @@ efficiency is that time / (R x the per-rank time). Rank 0 prints a table and wri
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import time
@@ -29,7 +28,7 @@ if str(REPO) not in sys.path:
 
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from bench_common import env_info, write_json  # noqa: E402
+from bench_common import add_out_arg, add_sharded_head_args, env_info, init_distributed, write_json  # noqa: E402
 
 from lce_patch import VocabShard, fused_linear_cross_entropy  # noqa: E402
 
@@ -42,13 +41,9 @@ SHAPES = {
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated, of {sorted(SHAPES)}")
-    parser.add_argument("--tokens", default="4096,8192,16384", help="comma-separated token counts N")
-    parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--steps", type=int, default=20)
+    add_sharded_head_args(parser, SHAPES, "4096,8192,16384", "comma-separated token counts N", 5, 20)
     parser.add_argument("--no-whole", action="store_true", help="skip rank 0's one-GPU run on the whole head")
-    parser.add_argument("--cpu", action="store_true", help="tiny shapes, fp32, CPU processes over gloo (smoke test)")
-    parser.add_argument("--out", default=os.environ.get("OUT") or str(REPO / "runs" / "bench_vocab_parallel"))
+    add_out_arg(parser, "bench_vocab_parallel")
     return parser.parse_args(argv)
 
 
@@ -77,12 +72,7 @@ def timed_op(hidden, weight, labels, softcap, shard, warmup: int, steps: int, cu
 def main(argv=None) -> int:
     args = parse_args(argv)
     cuda = not args.cpu
-    if cuda:
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-        torch.cuda.set_device(device)
-    else:
-        device = torch.device("cpu")
-    dist.init_process_group("nccl" if cuda else "gloo")
+    device = init_distributed(args.cpu)
     rank, world = dist.get_rank(), dist.get_world_size()
     dtype = torch.bfloat16 if cuda else torch.float32
     rows = []

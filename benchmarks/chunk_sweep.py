@@ -83,13 +83,12 @@ def main() -> None:
     args = parser.parse_args()
 
     import torch
-    from bench_common import env_info, free, make_inputs
+    from bench_common import device_and_dtype, env_info, free, make_inputs
 
     from lce_patch import fused_linear_cross_entropy
     from lce_patch.ops.core.chunking import chunk_spans, resolve_chunks
 
-    device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    device, dtype = device_and_dtype(args.tiny)
     heads = ["tiny"] if args.tiny else args.heads.split(",")
     tokens = [64] if args.tiny else [int(n) for n in args.tokens.split(",")]
     sizes = [16, 32] if args.tiny else [int(c) for c in args.chunk_sizes.split(",")]

@@ -23,41 +23,28 @@ import os
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(Path(__file__).parent))
 
-# name -> Qwen2/Llama-style config fields (the vocabularies match: TRL refuses a teacher of another vocab_size)
+from model_configs import decoder  # noqa: E402
+
+# name -> Qwen2 config fields (the vocabularies match: TRL refuses a teacher of another vocab_size)
 MODELS = {
-    "qwen1.5b": dict(
-        kind="qwen2", hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
-        num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True,
-    ),
-    "qwen7b": dict(
-        kind="qwen2", hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
-        num_key_value_heads=4, vocab_size=151936, tie_word_embeddings=False,
-    ),
-    "tiny-student": dict(
-        kind="qwen2", hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=512, tie_word_embeddings=True,
-    ),
-    "tiny-teacher": dict(
-        kind="qwen2", hidden_size=48, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=512, tie_word_embeddings=False,
-    ),
-}  # fmt: skip
+    "qwen1.5b": decoder((1536, 8960, 28, 12, 2, 151936), tie_word_embeddings=True),
+    "qwen7b": decoder((3584, 18944, 28, 28, 4, 151936), tie_word_embeddings=False),
+    "tiny-student": decoder((32, 64, 2, 4, 2, 512), tie_word_embeddings=True),
+    "tiny-teacher": decoder((48, 96, 2, 4, 2, 512), tie_word_embeddings=False),
+}
 
 
 def build_model(name: str, device, dtype, seed: int):
     import torch
     from transformers import AutoModelForCausalLM, Qwen2Config
 
-    fields = dict(MODELS[name])
-    fields.pop("kind")
-    config = Qwen2Config(**fields, max_position_embeddings=4096, eos_token_id=1, pad_token_id=0, bos_token_id=2)
+    config = Qwen2Config(**MODELS[name], max_position_embeddings=4096, eos_token_id=1, pad_token_id=0, bos_token_id=2)
     torch.manual_seed(seed)
     with torch.device(device):
         return AutoModelForCausalLM.from_config(config, dtype=dtype)
@@ -80,6 +67,7 @@ def run(method: str, args, device, dtype) -> dict:
     import datasets
     import torch
     import trl
+    from bench_common import synchronizer, timed_calls
 
     from lce_patch import FusedLCECallback
 
@@ -120,42 +108,14 @@ def run(method: str, args, device, dtype) -> dict:
         processing_class=tokenizer,
         callbacks=callbacks,
     )
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    loss_times, step_times = [], []
-    compute_loss = trainer._compute_loss  # lce_patch's wrapper when served: time what the trainer calls
-
-    def timed_compute_loss(*a, **k):
-        sync()
-        start = time.perf_counter()
-        out = compute_loss(*a, **k)
-        sync()
-        loss_times.append(time.perf_counter() - start)
-        return out
-
-    trainer._compute_loss = timed_compute_loss
-    step = trainer.training_step
-
-    def timed_step(*a, **k):
-        sync()
-        start = time.perf_counter()
-        out = step(*a, **k)
-        sync()
-        step_times.append(time.perf_counter() - start)
-        return out
-
-    trainer.training_step = timed_step
-    generate = trainer._generate_and_score_completions
-    generation_times = []
-
-    def timed_generate(*a, **k):
-        sync()
-        start = time.perf_counter()
-        out = generate(*a, **k)
-        sync()
-        generation_times.append(time.perf_counter() - start)
-        return out
-
-    trainer._generate_and_score_completions = timed_generate
+    sync = synchronizer(device)
+    loss_times, step_times, generation_times = [], [], []
+    # lce_patch's wrapper when served: time what the trainer calls
+    trainer._compute_loss = timed_calls(trainer._compute_loss, loss_times, sync)
+    trainer.training_step = timed_calls(trainer.training_step, step_times, sync)
+    trainer._generate_and_score_completions = timed_calls(
+        trainer._generate_and_score_completions, generation_times, sync
+    )
     allocated_before = None
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
@@ -175,7 +135,7 @@ def run(method: str, args, device, dtype) -> dict:
         tokens_per_step=args.batch_size * args.completion_len,
     )
     # the timing wrappers close over the trainer: collect the cycle, so the next run starts from an empty GPU
-    del trainer, student, teacher, timed_compute_loss, timed_step, timed_generate
+    del trainer, student, teacher
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -198,11 +158,9 @@ def main() -> None:
     parser.add_argument("--out", default=default_out)
     args = parser.parse_args()
 
-    import torch
-    from bench_common import env_info
+    from bench_common import device_and_dtype, env_info
 
-    device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    device, dtype = device_and_dtype(args.tiny)
     if args.tiny:
         args.student, args.teacher = "tiny-student", "tiny-teacher"
         args.batch_size, args.prompt_len, args.completion_len, args.steps = 2, 6, 4, 2

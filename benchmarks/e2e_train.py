@@ -28,29 +28,20 @@ import time
 
 def build_model(name: str):
     import torch
+    from model_configs import decoder
     from transformers import AutoModelForCausalLM, Gemma2Config, LlamaConfig
 
     if name == "llama-3.2-1b":
         config = LlamaConfig(
-            hidden_size=2048,
-            intermediate_size=8192,
-            num_hidden_layers=16,
-            num_attention_heads=32,
-            num_key_value_heads=8,
-            vocab_size=128256,
+            **decoder((2048, 8192, 16, 32, 8, 128256)),
             max_position_embeddings=8192,
             tie_word_embeddings=True,
             rope_theta=500000.0,
         )
     else:
         config = Gemma2Config(
-            hidden_size=2304,
-            intermediate_size=9216,
-            num_hidden_layers=26,
-            num_attention_heads=8,
-            num_key_value_heads=4,
+            **decoder((2304, 9216, 26, 8, 4, 256000)),
             head_dim=256,
-            vocab_size=256000,
             max_position_embeddings=8192,
             final_logit_softcapping=30.0,
             attn_logit_softcapping=50.0,

@@ -12,17 +12,19 @@ def tiny(**fields) -> dict:
     return {**base, **fields}
 
 
+def decoder(sizes: tuple[int, int, int, int, int, int], **fields) -> dict:
+    """A decoder's config fields: ``sizes``, the six every family names alike (hidden size, MLP width, layers,
+    attention heads, key/value heads, vocabulary), then ``fields``, the family's own."""
+    names = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads")
+    return {**dict(zip((*names, "vocab_size"), sizes)), **fields}
+
+
 # The released configs (config.json of each hub repository) of the 7-9B models the multi-GPU benchmarks train,
 # written out so nothing is downloaded (random weights are built from them).
 RELEASED_CONFIGS: dict[str, dict] = {
-    "llama-3.1-8b": dict(
+    "llama-3.1-8b": decoder(
+        (4096, 14336, 32, 32, 8, 128256),
         model_type="llama",
-        hidden_size=4096,
-        intermediate_size=14336,
-        num_hidden_layers=32,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        vocab_size=128256,
         rms_norm_eps=1e-5,
         max_position_embeddings=131072,
         tie_word_embeddings=False,
@@ -35,28 +37,18 @@ RELEASED_CONFIGS: dict[str, dict] = {
             "original_max_position_embeddings": 8192,
         },
     ),
-    "qwen2.5-7b": dict(
+    "qwen2.5-7b": decoder(
+        (3584, 18944, 28, 28, 4, 152064),
         model_type="qwen2",
-        hidden_size=3584,
-        intermediate_size=18944,
-        num_hidden_layers=28,
-        num_attention_heads=28,
-        num_key_value_heads=4,
-        vocab_size=152064,
         rms_norm_eps=1e-6,
         max_position_embeddings=131072,
         tie_word_embeddings=False,
         rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
     ),
-    "gemma-2-9b": dict(
+    "gemma-2-9b": decoder(
+        (3584, 14336, 42, 16, 8, 256000),
         model_type="gemma2",
-        hidden_size=3584,
-        intermediate_size=14336,
-        num_hidden_layers=42,
-        num_attention_heads=16,
-        num_key_value_heads=8,
         head_dim=256,
-        vocab_size=256000,
         rms_norm_eps=1e-6,
         max_position_embeddings=8192,
         tie_word_embeddings=True,

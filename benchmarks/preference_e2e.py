@@ -151,6 +151,7 @@ class _StepTimer:
 
 def run(setup: str, args, device, dtype) -> dict:
     import torch
+    from bench_common import synchronizer, timed_calls
     from distill_e2e import make_tokenizer
 
     from lce_patch import FusedLCECallback
@@ -223,15 +224,10 @@ def run(setup: str, args, device, dtype) -> dict:
             processing_class=tokenizer,
             callbacks=callbacks,
         )
-        sync = torch.cuda.synchronize if cuda else (lambda: None)
-        generate = trainer._generate
+        generate = timed_calls(trainer._generate, generation_s, synchronizer("cuda" if cuda else "cpu"))
 
         def timed_generate(*a, **k):
-            sync()
-            start = time.perf_counter()
             out = generate(*a, **k)
-            sync()
-            generation_s.append(time.perf_counter() - start)
             sequence_tokens.append(out[0].shape[1] + out[2].shape[1])  # prompt + completion
             return out
 
@@ -340,14 +336,13 @@ def main() -> None:
         parser.error("need 1 < --prompt-len < --seq-len - 1 and 0 < --max-new-tokens < --seq-len")
 
     import torch
-    from bench_common import env_info
+    from bench_common import device_and_dtype, dist_version, env_info
 
-    device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    device, dtype = device_and_dtype(args.tiny)
     if device.type == "cpu" and not args.tiny:
         parser.error("no GPU: the real size runs on one; --tiny runs on the CPU")
     env = env_info()
-    env["datasets"] = _version("datasets")
+    env["datasets"] = dist_version("datasets")
     results = []
     for setup in args.setups.split(","):
         try:
@@ -382,15 +377,6 @@ def main() -> None:
     for name, diff in agreement.items():
         print(f"{name} vs {name}+lce_patch: max relative difference of loss and logps over the steps {diff:.2e}")
     print(f"wrote {args.out}")
-
-
-def _version(dist: str) -> str | None:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version(dist)
-    except PackageNotFoundError:
-        return None
 
 
 if __name__ == "__main__":

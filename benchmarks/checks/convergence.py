@@ -62,7 +62,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench_common, in benchmarks/
 from bench_common import IGNORE, env_info, free  # noqa: E402  (it puts this checkout's lce_patch first on sys.path)
-from model_configs import tiny  # noqa: E402
+from model_configs import decoder, tiny  # noqa: E402
 
 ARCHS = ("llama", "gemma2")
 REFERENCE, RERUN, PATCHED, OTHER_ORDER = "unpatched", "unpatched-rerun", "patched", "unpatched-seed1"
@@ -76,25 +76,15 @@ RUNS: dict[str, tuple[int, bool]] = {
 COMPARED = (PATCHED, RERUN, OTHER_ORDER)  # each against REFERENCE
 
 # Config fields per architecture: full size (the GPU run) and --tiny (the CPU smoke test).
-_LLAMA = dict(
-    hidden_size=512,
-    intermediate_size=1536,
-    num_hidden_layers=8,
-    num_attention_heads=8,
-    num_key_value_heads=4,
-    vocab_size=32000,
+_LLAMA = decoder(
+    (512, 1536, 8, 8, 4, 32000),
     max_position_embeddings=1024,
     tie_word_embeddings=False,
 )
-_GEMMA2 = dict(
-    hidden_size=512,
-    intermediate_size=1536,
-    num_hidden_layers=6,
-    num_attention_heads=8,
-    num_key_value_heads=4,
+_GEMMA2 = decoder(
+    (512, 1536, 6, 8, 4, 32000),
     head_dim=64,
     query_pre_attn_scalar=64,
-    vocab_size=32000,
     max_position_embeddings=1024,
     sliding_window=256,
     final_logit_softcapping=30.0,

@@ -50,10 +50,11 @@ from typing import Any
 
 import torch
 from harness import (  # the checks' shared harness, next to this file (it puts the checkout first on sys.path)
-    REPO,
     OpSpy,
     Report,
+    add_out_arg,
     agree,
+    check_parser,
     compare_params,
     full_state_dict,
     mode_of,
@@ -87,12 +88,11 @@ SHAPES = {
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        description="Check that a patched model trains through the Trainer under context parallelism (cp_size=N, "
-        "FSDP2) or DeepSpeed Ulysses (sp_size=N) exactly like one process on the whole sequence.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-        epilog="Launch: NCCL_NVLS_ENABLE=0 accelerate launch --config_file recipes/accelerate/cp.yaml "
-        "benchmarks/checks/cp_check.py --arch llama",
+    parser = check_parser(
+        "Check that a patched model trains through the Trainer under context parallelism (cp_size=N, FSDP2) or "
+        "DeepSpeed Ulysses (sp_size=N) exactly like one process on the whole sequence.",
+        "NCCL_NVLS_ENABLE=0 accelerate launch --config_file recipes/accelerate/cp.yaml benchmarks/checks/cp_check.py "
+        "--arch llama",
     )
     parser.add_argument(
         "--mode",
@@ -142,7 +142,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help="parameter updates (final - initial), relative L2 (default 1e-3; checked at fp32 only)",
     )
-    parser.add_argument("--out", default=os.environ.get("OUT") or str(REPO / "runs" / "cp_check"))
+    add_out_arg(parser, "cp_check")
     args = parser.parse_args(argv)
     if args.shape is None:
         args.shape = "tiny" if args.cpu or not torch.cuda.is_available() else "full"

@@ -48,12 +48,15 @@ from typing import Any
 
 import torch
 from harness import (  # the checks' shared harness, next to this file (it puts the checkout first on sys.path)
-    REPO,
     OpSpy,
     Report,
+    add_op_args,
+    add_out_arg,
+    add_tolerance_args,
     argv_without,
     check_launch,
     check_params,
+    check_parser,
     compare_params,
     full_state_dict,
     mode_of,
@@ -86,13 +89,12 @@ _LAUNCH_NAMES = (
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        description="Check that TRL's DistillationTrainer served by lce_patch (FusedLCECallback) trains the same "
-        "under FSDP2 / ZeRO-3 (accelerate launch) as in one process, served and unserved: losses, student "
-        "parameters (SGD), both heads whole inside the op's calls.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-        epilog="Launch: NCCL_NVLS_ENABLE=0 accelerate launch --config_file recipes/accelerate/zero3.yaml "
-        "--num_processes 4 benchmarks/checks/distill_multi_gpu_check.py",
+    parser = check_parser(
+        "Check that TRL's DistillationTrainer served by lce_patch (FusedLCECallback) trains the same under FSDP2 / "
+        "ZeRO-3 (accelerate launch) as in one process, served and unserved: losses, student parameters (SGD), both "
+        "heads whole inside the op's calls.",
+        "NCCL_NVLS_ENABLE=0 accelerate launch --config_file recipes/accelerate/zero3.yaml --num_processes 4 "
+        "benchmarks/checks/distill_multi_gpu_check.py",
     )
     parser.add_argument("--steps", type=int, default=3, help="optimizer steps")
     parser.add_argument("--batch", type=int, default=8, help="global batch: prompts per step (split over ranks)")
@@ -106,16 +108,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--beta", type=float, default=0.5, help="DistillationConfig.beta (0 forward KL, 1 reverse)")
     parser.add_argument("--lr", type=float, default=1e-2, help="SGD learning rate (linear decay, no momentum)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the weights and the prompts")
-    parser.add_argument("--backend", default="auto", help="lce_patch backend: auto, triton or torch")
-    parser.add_argument("--chunk-size", type=int, default=None, help="lce_patch chunk size (default: its own)")
-    parser.add_argument("--rtol-loss", type=float, default=1e-5, help="per-step loss, relative")
-    parser.add_argument("--rtol-param", type=float, default=1e-5, help="student parameters after the steps, rel L2")
-    parser.add_argument("--rtol-update", type=float, default=1e-3, help="updates (final - initial), rel L2")
-    parser.add_argument(
-        "--out",
-        default=os.environ.get("OUT") or str(REPO / "runs" / "multi_gpu"),
-        help="directory for the JSON (or a .json path)",
-    )
+    add_op_args(parser)
+    add_tolerance_args(parser, "student parameters")
+    add_out_arg(parser, "multi_gpu")
     parser.add_argument("--role", choices=("check", "reference"), default="check", help=argparse.SUPPRESS)
     parser.add_argument("--served", type=int, default=1, help=argparse.SUPPRESS)  # the reference's
     args = parser.parse_args(argv)

@@ -16,6 +16,7 @@ report (PASS/FAIL lines, the JSON).
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import math
 import os
@@ -35,6 +36,7 @@ for _path in (REPO, REPO / "benchmarks"):
 
 from bench_common import (  # noqa: E402
     MULTICAST_OFF,
+    add_out_arg,
     argv_without,
     env_info,
     out_path,
@@ -46,9 +48,35 @@ from bench_common import (  # noqa: E402
 )
 
 # bench_common's helpers the checks use, importable from here (the checks import this module first)
-__all__ = ["REPO", "argv_without", "rel_err", "rel_l2", "set_exact_fp32"]
+__all__ = ["REPO", "add_out_arg", "argv_without", "rel_err", "rel_l2", "set_exact_fp32"]
 
 IGNORE = -100
+
+
+# ------------------------------------------------------------------------------------------------ options
+def check_parser(description: str, launch: str) -> argparse.ArgumentParser:
+    """A check's argument parser: the defaults in the help, ``launch`` (a command that runs it) below."""
+    return argparse.ArgumentParser(
+        description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter, epilog=f"Launch: {launch}"
+    )
+
+
+def add_op_args(parser: argparse.ArgumentParser) -> None:
+    """The lce_patch op's settings: --backend, --chunk-size."""
+    parser.add_argument("--backend", default="auto", help="lce_patch backend: auto, triton or torch")
+    parser.add_argument("--chunk-size", type=int, default=None, help="lce_patch chunk size (default: its own)")
+
+
+def add_tolerance_args(parser: argparse.ArgumentParser, params: str = "parameters") -> None:
+    """--rtol-loss, --rtol-param and --rtol-update of a check against one process (``params``: what is trained)."""
+    parser.add_argument("--rtol-loss", type=float, default=1e-5, help="per-step loss, relative")
+    parser.add_argument("--rtol-param", type=float, default=1e-5, help=f"{params} after the steps, relative L2")
+    parser.add_argument(
+        "--rtol-update",
+        type=float,
+        default=1e-3,
+        help=f"updates of the {params} (final - initial), relative L2: the gradient check",
+    )
 
 
 # ------------------------------------------------------------------------------------------------ processes

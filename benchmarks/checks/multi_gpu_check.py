@@ -68,11 +68,14 @@ from typing import Any
 
 import torch
 from harness import (  # the checks' shared harness, next to this file (it puts the checkout first on sys.path)
-    REPO,
     OpSpy,
     Report,
+    add_op_args,
+    add_out_arg,
+    add_tolerance_args,
     agree,
     check_launch,
+    check_parser,
     compare_params,
     full_state_dict,
     mode_of,
@@ -91,11 +94,10 @@ IGNORE = -100
 
 # ------------------------------------------------------------------------------------------------ setup
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        description="Check that the lce_patch-patched model trains the same under DDP / FSDP1 / FSDP2 "
-        "(accelerate launch) as in one process: losses, gradients (via SGD parameters), head weight gathering.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-        epilog="Launch: NCCL_NVLS_ENABLE=0 accelerate launch --config_file recipes/accelerate/fsdp2.yaml "
+    parser = check_parser(
+        "Check that the lce_patch-patched model trains the same under DDP / FSDP1 / FSDP2 (accelerate launch) as in "
+        "one process: losses, gradients (via SGD parameters), head weight gathering.",
+        "NCCL_NVLS_ENABLE=0 accelerate launch --config_file recipes/accelerate/fsdp2.yaml "
         "benchmarks/checks/multi_gpu_check.py --arch gemma2",
     )
     parser.add_argument("--arch", choices=("llama", "gemma2"), default="llama", help="model family (both tied)")
@@ -114,17 +116,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="std of the (tied) head/embedding init (default: 0.02 llama, 0.1 gemma2: the token's own logit "
         "is about hidden * std, ~5 and ~26, so gemma2's softcap of 30 bends it)",
     )
-    parser.add_argument("--backend", default="auto", help="lce_patch backend: auto, triton or torch")
-    parser.add_argument("--chunk-size", type=int, default=None, help="lce_patch chunk size (default: its own)")
+    add_op_args(parser)
     parser.add_argument("--no-empty-shard", action="store_true", help="do not ignore all of the last rank's rows")
-    parser.add_argument("--rtol-loss", type=float, default=1e-5, help="per-step loss, relative")
-    parser.add_argument("--rtol-param", type=float, default=1e-5, help="parameters after the steps, relative L2")
-    parser.add_argument(
-        "--rtol-update",
-        type=float,
-        default=1e-3,
-        help="parameter updates (final - initial), relative L2: the gradient check",
-    )
+    add_tolerance_args(parser)
     parser.add_argument(
         "--cpu-fsdp",
         action="store_true",
@@ -145,11 +139,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="torch.compile the prepared (wrapped) patched model with this backend (inductor on GPUs; aot_eager "
         "to debug on CPU); none: eager",
     )
-    parser.add_argument(
-        "--out",
-        default=os.environ.get("OUT") or str(REPO / "runs" / "multi_gpu"),
-        help="directory for the JSON (or a .json path)",
-    )
+    add_out_arg(parser, "multi_gpu")
     args = parser.parse_args(argv)
     if args.steps < 1 or args.batch < 1 or args.seq_len < 2:
         parser.error("--steps and --batch must be >= 1, --seq-len >= 2")

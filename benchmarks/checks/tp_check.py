@@ -73,7 +73,15 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from harness import REPO, OpSpy, Report, ranks, rel_err, rel_l2, start  # the checks' shared harness: first
+from harness import (  # the checks' shared harness: first
+    OpSpy,
+    Report,
+    add_out_arg,
+    ranks,
+    rel_err,
+    rel_l2,
+    start,
+)
 
 # isort: split
 from bench_common import compile_counters, compile_delta, ratio_interval, save_profile, timing_summary
@@ -176,7 +184,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--same-device", action="store_true", help="all ranks on cuda:0 over gloo (checks values; no timing)"
     )
     parser.add_argument("--cpu", action="store_true", help="tiny shapes on CPU processes over gloo, fp32 (smoke test)")
-    parser.add_argument("--out", default=os.environ.get("OUT") or str(REPO / "runs" / "tp_check"))
+    add_out_arg(parser, "tp_check")
     args = parser.parse_args(argv)
     if args.sweep:
         args.tokens = list(SWEEP)
