@@ -236,7 +236,7 @@ def test_ignored_tokens_are_counted_for_the_op(case, monkeypatch):
     real_op = forward_module.fused_linear_cross_entropy
 
     def spy(*args, **kwargs):
-        seen.append(kwargs.get("num_valid_tokens"))
+        seen.append(kwargs["options"].num_valid_tokens)  # the forward hands the op one options object
         return real_op(*args, **kwargs)
 
     monkeypatch.setattr(forward_module, "fused_linear_cross_entropy", spy)
