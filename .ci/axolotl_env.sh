@@ -4,9 +4,9 @@
 # axolotl 0.19.0 is the newest release for Python 3.11.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+. .ci/uv.sh
 env=.ci-deps/axolotl
-python3 -m venv "$env"
 pins=.ci/axolotl-constraints.txt  # refreshed by .ci/pin.sh
-"$env/bin/python" -m pip install -q -c "$pins" --upgrade pip
-"$env/bin/python" -m pip install -q -c "$pins" torch  # the CPU build first, as for the main environment
-AXOLOTL_DO_NOT_TRACK=1 "$env/bin/python" -m pip install -q -c "$pins" axolotl
+python3 -m venv --without-pip "$env"
+# torch named beside axolotl so that its pin (the CPU build) is the one taken; pip and setuptools at their pins
+AXOLOTL_DO_NOT_TRACK=1 ci_install "$env" -c "$pins" pip setuptools torch axolotl

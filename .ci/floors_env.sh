@@ -7,10 +7,8 @@
 # environment is installed from the same checkout at the same time).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+. .ci/uv.sh
 env=.ci-deps/floors
-pins=.ci/floors-constraints.txt
-python3 -m venv "$env"
-"$env/bin/python" -m pip install -q -c "$pins" --upgrade pip
-"$env/bin/python" -m pip install -q -c "$pins" torch  # the CPU build on the machine's disk, as for the others
-"$env/bin/python" -m pip install -q --no-deps -r <(grep -viE '^(#|pip==|torch==)' "$pins")
+python3 -m venv --without-pip "$env"
+ci_install "$env" --no-deps -r .ci/floors-constraints.txt
 "$env/bin/python" -m pip check

@@ -1,18 +1,18 @@
 #!/usr/bin/env bash
 # A front end's virtual environment, for its tests under tests/integrations/: `bash .ci/frontend_env.sh NAME` builds
 # .ci-deps/NAME with exactly the packages pinned in .ci/NAME-constraints.txt (written by .ci/pin.sh, which resolves
-# them), installed without resolving again (--no-deps): the set is complete, and pip's resolver would only ask for
+# them), installed without resolving again (--no-deps): the set is complete, and a resolver would only ask for
 # what .ci/pin.sh leaves out on purpose. The tests run this checkout's lce_patch there through PYTHONPATH.
 #   llamafactory  LLaMA-Factory 0.9.5 (tests/integrations/test_llamafactory.py)
 #   swift         ms-swift 4.6 (tests/integrations/test_swift.py)
 set -euo pipefail
 cd "$(dirname "$0")/.."
+. .ci/uv.sh
 name=$1
 env=.ci-deps/$name
 pins=.ci/$name-constraints.txt
-python3 -m venv "$env"
-"$env/bin/python" -m pip install -q -c "$pins" --upgrade pip
-"$env/bin/python" -m pip install -q --no-deps -r "$pins"
+python3 -m venv --without-pip "$env"
+ci_install "$env" --no-deps -r "$pins"
 if [ "$name" = llamafactory ]; then
     # LLaMA-Factory imports torchaudio (for audio data) in the module every template imports, and asks for torchvision.
     # No torchaudio release is built for the CPU torch on the CI machine's disk, and PyPI's builds link CUDA

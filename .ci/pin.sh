@@ -21,6 +21,7 @@ axolotl_version=0.19.0     # the newest release for Python 3.11
 llamafactory_version=0.9.5
 torchaudio_version=2.11.1  # the newest; LLaMA-Factory imports it (.ci/frontend_env.sh)
 swift_version=4.6.0        # ms-swift
+uv_version=0.13.9          # installs the environments beside the tests' (.ci/uv.sh)
 
 export PIP_NO_CACHE_DIR=1
 scratch=$(mktemp -d)
@@ -35,7 +36,8 @@ python3 -m venv "$scratch/main"
 py="$scratch/main/bin/python"
 "$py" -m pip install -q --upgrade pip setuptools wheel
 "$py" -m pip install -q "torch==$torch_version"
-"$py" -m pip install -q --no-build-isolation -e ".[test,docs]" "bitsandbytes==$bitsandbytes_version" build
+"$py" -m pip install -q --no-build-isolation -e ".[test,docs]" "bitsandbytes==$bitsandbytes_version" build \
+    "uv==$uv_version"
 # DeepSpeed and its runtime needs go to a folder of their own in CI; resolve them in the same environment.
 DS_BUILD_OPS=0 "$py" -m pip install -q --no-deps --no-build-isolation --target "$scratch/deepspeed" \
     "deepspeed==$deepspeed_version" hjson einops msgpack py-cpuinfo ninja pydantic pydantic-core annotated-types \
