@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any, Literal, Protocol, TypeVar
 
 __all__ = [
+    "ANY_FUSED_HEAD",
     "ROWS",
     "SERVED",
     "Row",
@@ -168,6 +169,11 @@ ROWS: tuple[Row, ...] = (
 
 _BY_CLASS: dict[tuple[str, str], Row] = {row.key: row for row in ROWS}
 
+ANY_FUSED_HEAD = Row("transformers.trainer", "Trainer", _HEAD, "train", _HEAD_HOW, "yes", ops=_LOG_PROBS_OPS)
+"""The ``"train"`` row of a trainer whose classes have none (a trainer of TRL's this table does not name yet, or a
+program's own): TRL's fused head is served wherever its model carries one (the head module serves nothing
+otherwise). Not in :data:`ROWS`: it names no trainer for the docs' table."""
+
 
 def mro_lookup(cls: type, table: Mapping[tuple[str, str], _T]) -> tuple[type, _T] | None:
     """The first class of ``cls``'s MRO (the most derived) whose ``(module, name)`` is in ``table``, and its entry.
@@ -191,7 +197,8 @@ def find_row(trainer: Any, when: When | None = None) -> Row | None:
     ``when``, the most derived row served at that moment.
 
     A row served by TRL's fused LM head, on a TRL without that protocol (TRL < 1.15), comes back as TRL's own path
-    (:func:`without_fused_head`)."""
+    (:func:`without_fused_head`). At ``"train"``, a trainer none of whose classes has a row then gets
+    :data:`ANY_FUSED_HEAD` where TRL has that protocol."""
     for base in trainer.__mro__ if isinstance(trainer, type) else type(trainer).__mro__:
         row = _BY_CLASS.get((base.__module__, base.__name__))
         if row is None:
@@ -200,6 +207,8 @@ def find_row(trainer: Any, when: When | None = None) -> Row | None:
             row = without_fused_head(row)
         if when is None or row.when == when:
             return row
+    if when == "train" and importlib.import_module(_PROTOCOL).has_fused_lm_head():
+        return ANY_FUSED_HEAD
     return None
 
 

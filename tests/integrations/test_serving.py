@@ -191,7 +191,10 @@ def test_every_row_is_served_through_the_one_function_at_its_moment(row, recorde
     assert recorder.calls == [("serve", trainer, expected, {"chunk_size": 8})]  # handed its row
     for moment in {"init", "train", "plugin"} - {expected.when}:
         recorder.calls.clear()
-        assert serving.serve_trainer(trainer, {}, when=moment) is False and recorder.calls == [], moment
+        # at "train", a trainer with no row then is offered TRL's fused head, served where its model carries one
+        other = serving.ANY_FUSED_HEAD if moment == "train" and protocol.has_fused_lm_head() else None
+        assert serving.serve_trainer(trainer, {}, when=moment) is (other is not None), moment
+        assert recorder.calls == ([] if other is None else [("serve", trainer, other, {})]), moment
     recorder.calls.clear()
     assert serving.unserve_trainer(trainer) is row.served and recorder.calls == [("unserve", trainer, expected)]
 
@@ -252,7 +255,32 @@ def test_the_callbacks_head_hook_asks_the_table(recorder):
         expected = find_row(trainer, "train")
         assert served is (expected is not None)
         assert recorder.calls == ([] if expected is None else [("serve", trainer, expected, {"chunk_size": 8})])
-    assert callback.install_trainer_heads(object(), None, object()) is False  # no row: no head served
+    recorder.calls.clear()
+    program_trainer = object()  # no row: offered TRL's fused head, as any trainer whose model carries one
+    served = callback.install_trainer_heads(object(), None, program_trainer)
+    if protocol.has_fused_lm_head():
+        assert served and recorder.calls == [("serve", program_trainer, serving.ANY_FUSED_HEAD, {"chunk_size": 8})]
+    else:
+        assert served is False and recorder.calls == []
+
+
+@pytest.mark.skipif(not protocol.has_fused_lm_head(), reason="TRL's fused LM head needs TRL >= 1.15")
+def test_a_trainer_no_row_names_has_the_fused_head_its_model_carries_served():
+    from trl.trainer.utils import add_fused_lm_head
+
+    from lce_patch.integrations.trl.head import is_head_served
+    from tests.integrations.trl_helpers import make_model
+
+    program_trainer = type("ProgramTrainer", (), {"__module__": "a_program"})()
+    assert find_row(program_trainer) is None and find_row(program_trainer, "train") is serving.ANY_FUSED_HEAD
+    program_trainer.model, program_trainer.args = make_model(), types.SimpleNamespace(loss_type="nll")
+    assert serving.serve_trainer(program_trainer, {}, when="train") is False  # no head on its model: nothing done
+    add_fused_lm_head(program_trainer.model, outputs=("log_probs",))
+    trl_forward = program_trainer.model.forward
+    assert serving.serve_trainer(program_trainer, {}, when="train") is True and is_head_served(program_trainer.model)
+    assert serving.unserve_trainer(program_trainer, when="train") is True
+    assert program_trainer.model.forward == trl_forward and not is_head_served(program_trainer.model)
+    assert all(row is not serving.ANY_FUSED_HEAD for row in ROWS)  # not a row of the docs' table
 
 
 @pytest.fixture
