@@ -17,7 +17,7 @@ import json
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-DEFAULT_RESULTS = REPO / "benchmarks" / "results" / "2026-11-24_h100_bench_head.json"
+DEFAULT_RESULTS = REPO / "benchmarks" / "results" / "2026-11-28_h200_bench_head_753bdc1.json"
 DEFAULT_OUT = REPO / "docs" / "assets" / "benchmark.png"
 # Methods in the order drawn, with their legend labels; others in the file are left out.
 METHODS = {
