@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 
+from ...models import option_names
 from ...ops import fused_linear_cross_entropy, fused_linear_sparse_divergence
 from ..serving import Row, base_class
 
@@ -102,7 +103,10 @@ class FusedKDLoss(torch.nn.Module):
         self.ignore_index = int(original.ignore_index)
         self.compute_ce_loss = bool(original.compute_ce_loss)
         self.normalize_topk = bool(original.normalize_topk)
-        self.options = {key: options[key] for key in ("chunk_size", "backend") if options.get(key) is not None}
+        # the ops' options among those the plugin sets (the registry's axolotl keys)
+        self.options = {
+            key: options[key] for key in option_names(axolotl=True, op=True) if options.get(key) is not None
+        }
 
     def forward(
         self,
