@@ -516,6 +516,47 @@ def ratio_interval(reference: list[float], candidate: list[float], rounds: int =
     return ratios[int(0.025 * rounds)], ratios[int(0.975 * rounds) - 1]
 
 
+def interleaved_rounds(timers: dict[str, Any], rounds: int, reference: str | None = None) -> dict[str, dict]:
+    """Time every method once per round, in turn, ``rounds`` times (the order rotated each round, so that no
+    method always runs first after a reference's allocations or last on warm clocks).
+
+    ``timers`` maps a method to a zero-argument callable that returns one timing in ms (a median of its own
+    repetitions). Per method: ``ms`` (the median of its rounds) and ``ms_rounds``; against ``reference``
+    (when given and timed): ``speedup`` = reference's ms / this ms, its 95% paired interval over the rounds
+    (``speedup_interval95``, :func:`ratio_interval` inverted) and ``faster_every_round`` / ``slower_every_round``
+    (a speedup called faster or slower needs the interval or every round on its side). A method whose timer
+    raises keeps the rounds it had and its ``error``."""
+    times: dict[str, list[float]] = {name: [] for name in timers}
+    errors: dict[str, str] = {}
+    names = list(timers)
+    for index in range(rounds if names else 0):
+        for name in names[index % len(names) :] + names[: index % len(names)]:
+            if name in errors:
+                continue
+            try:
+                times[name].append(float(timers[name]()))
+            except Exception as exc:  # noqa: BLE001 - recorded beside the rounds measured so far
+                errors[name] = out_of_memory(exc) or f"{type(exc).__name__}: {str(exc)[:200]}"
+    out: dict[str, dict] = {}
+    ref = times.get(reference) if reference else None
+    for name, got in times.items():
+        row: dict[str, Any] = {"ms_rounds": got}
+        if got:
+            row["ms"] = statistics.median(got)
+        if name in errors:
+            row["error"] = errors[name]
+        paired = min(len(got), len(ref or []))
+        if ref and name != reference and paired >= 2:
+            low, high = ratio_interval(ref[:paired], got[:paired])
+            per_round = [r / g for r, g in zip(ref, got)]
+            row["speedup"] = statistics.median(ref[:paired]) / statistics.median(got[:paired])
+            row["speedup_interval95"] = [1 / high, 1 / low]
+            row["faster_every_round"] = all(s > 1 for s in per_round)
+            row["slower_every_round"] = all(s < 1 for s in per_round)
+        out[name] = row
+    return out
+
+
 def timing_summary(times: list[float]) -> dict:
     ordered = sorted(times)
 

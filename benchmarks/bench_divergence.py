@@ -3,7 +3,9 @@ Liger-Kernel's LigerFusedLinearJSD, the unfused full-logits loss and its torch.c
 (dh and dW of the student), bf16, on one GPU.
 
 Per shape (student <- teacher, N tokens, every token selected, beta as given): median time of forward+backward
-over ``--reps`` runs after warm-up, peak memory allocated above the inputs during one, the loss, and the GEMM
+over ``--reps`` runs after warm-up in each of ``--rounds`` rounds that time every method in turn, the median of
+the rounds and, against TRL's kernel, the speedup with its 95% paired interval over the rounds
+(``bench_common.interleaved_rounds``), peak memory allocated above the inputs during one, the loss, and the GEMM
 floor of the same run (the teacher's logits GEMM plus the student's logits, dh and dW GEMMs at full size,
 cuBLAS, bf16).
 
@@ -84,7 +86,9 @@ def build(method: str, h, w, ht, wt, beta: float):
     raise ValueError(method)
 
 
-def measure(fn, params, reps: int, device) -> dict:
+def prepare(fn, params, reps: int, device):
+    """Warm-up (and Triton compilation), the loss and the peak memory of one forward+backward: the row, and a
+    timer for the rounds (the median of ``reps`` timed calls, ms)."""
     import torch
     from bench_common import repeat_ms, synchronizer
 
@@ -107,8 +111,14 @@ def measure(fn, params, reps: int, device) -> dict:
     step()
     sync()
     peak = (torch.cuda.max_memory_allocated() - base) / 2**20 if device.type == "cuda" else None
-    times = repeat_ms(step, reps, sync)
-    return dict(ms=statistics.median(times), peak_mib_above_inputs=peak, loss=loss.item())
+
+    def timed() -> float:
+        ms = statistics.median(repeat_ms(step, reps, sync))
+        for p in params:
+            p.grad = None
+        return ms
+
+    return dict(peak_mib_above_inputs=peak, loss=loss.item()), timed
 
 
 def errors(method: str, h, w, ht, wt, beta: float) -> dict:
@@ -157,7 +167,10 @@ def main() -> None:
     parser.add_argument("--shapes", default="qwen1.5b-7b,llama1b-8b", help=f"of {sorted(SHAPES)}")
     parser.add_argument("--betas", default="0.5")
     parser.add_argument("--methods", default=",".join(METHODS))
-    parser.add_argument("--reps", type=int, default=10)
+    parser.add_argument("--reps", type=int, default=10, help="timed calls per method in each round")
+    parser.add_argument(
+        "--rounds", type=int, default=5, help="timing rounds over every method, in turn (median of the rounds)"
+    )
     parser.add_argument(
         "--logit-std",
         type=float,
@@ -175,7 +188,7 @@ def main() -> None:
     args = parser.parse_args()
 
     import torch
-    from bench_common import device_and_dtype, env_info, free
+    from bench_common import device_and_dtype, env_info, free, interleaved_rounds
 
     device, dtype = device_and_dtype(args.tiny)
     shapes = ["tiny"] if args.tiny else args.shapes.split(",")
@@ -193,13 +206,19 @@ def main() -> None:
         for beta in (float(b) for b in args.betas.split(",")):
             row = dict(shape=name, D=dim, D_teacher=teacher_dim, V=vocab, N=tokens, beta=beta, logit_std=spread)
             row["gemm_floor_ms"] = floor
+            timers = {}
             for method in args.methods.split(","):
                 try:
-                    row[method] = measure(build(method, h, w, ht, wt, beta), [h, w], args.reps, device)
-                    row[method]["pct_of_floor"] = 100 * floor / row[method]["ms"]
+                    row[method], timers[method] = prepare(build(method, h, w, ht, wt, beta), [h, w], args.reps, device)
                 except Exception as exc:  # out of memory, a peer missing: recorded, the run goes on
                     row[method] = dict(error=f"{type(exc).__name__}: {str(exc)[:200]}")
                 free()
+            baseline = "trl" if "trl" in timers else None
+            for method, timing in interleaved_rounds(timers, args.rounds, baseline).items():
+                row[method].update(timing)
+                if "ms" in timing:
+                    row[method]["pct_of_floor"] = 100 * floor / timing["ms"]
+            for method in args.methods.split(","):
                 print(name, beta, method, row[method], flush=True)
             for method in filter(None, args.errors.split(",")):
                 row.setdefault(method, {})

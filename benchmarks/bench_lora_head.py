@@ -17,7 +17,9 @@ Methods:
   * lce_patch_full_head: the fused op with W trainable (dW too): the cost of ``modules_to_save=["lm_head"]``,
     the alternative to LoRA on the head (optimizer state for a V x D copy not counted).
 
-Per method: fwd+bwd median (``triton.testing.do_bench``, gradients reset outside the timed region), peak
+Per method: fwd+bwd median (``triton.testing.do_bench``, gradients reset outside the timed region) in each of
+``--rounds`` rounds that time every method in turn, the median of the rounds and, against peft_unfused, the
+speedup with its 95% paired interval over the rounds (``bench_common.interleaved_rounds``); peak
 memory of one fwd+bwd above the inputs (the gradients it produces included: dW for the full head), and the relative L2 error of the loss and of dh, dA, dB against an
 fp32 reference (the unfused computation in fp32, TF32 off).
 
@@ -33,6 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 from pathlib import Path
 
@@ -40,7 +43,16 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_common import REPO, env_info, free, make_inputs, set_exact_fp32  # noqa: E402
+from bench_common import (  # noqa: E402
+    REPO,
+    env_info,
+    free,
+    interleaved_rounds,
+    make_inputs,
+    repeat_ms,
+    set_exact_fp32,
+    synchronizer,
+)
 
 from lce_patch import fused_linear_cross_entropy  # noqa: E402
 
@@ -74,7 +86,7 @@ def lce_patch_frozen(h, w, a, b, y):
     return fused_linear_cross_entropy(h, w, y)
 
 
-lce_patch_full_head = lce_patch_frozen  # the same call; run_method makes W trainable for this method
+lce_patch_full_head = lce_patch_frozen  # the same call; prepare_method makes W trainable for this method
 
 
 def reference(h, w, a, b, y):
@@ -97,7 +109,9 @@ def rel_l2(x, ref):
     return float((x - ref).norm() / ref.norm().clamp(min=1e-30))
 
 
-def run_method(method, h, w, a, b, y, ref, device, warmup_only=False):
+def prepare_method(method, h, w, a, b, y, ref, device):
+    """Warm-up (and compile), errors against the fp32 reference and the peak memory of one fwd+bwd: the row, and
+    a timer (one do_bench median, ms) for the rounds, None when the method failed."""
     fn = globals()[method]
     w_used = w.detach().requires_grad_(method == "lce_patch_full_head")
     inputs = [h, a, b] + ([w_used] if w_used.requires_grad else [])
@@ -108,6 +122,17 @@ def run_method(method, h, w, a, b, y, ref, device, warmup_only=False):
         loss = fn(h, w_used, a, b, y)
         loss.backward()
         return loss
+
+    def timed() -> float:
+        if device.type == "cuda":
+            import triton.testing
+
+            ms = triton.testing.do_bench(step, warmup=5, rep=60, return_mode="median")
+        else:  # the CPU smoke test: wall clock
+            ms = statistics.median(repeat_ms(step, 3, synchronizer(device)))
+        for t in inputs:
+            t.grad = None
+        return ms
 
     row = {"method": method}
     try:
@@ -126,12 +151,6 @@ def run_method(method, h, w, a, b, y, ref, device, warmup_only=False):
             step()
             torch.cuda.synchronize()
             row["peak_mib"] = (torch.cuda.max_memory_allocated() - base) / 2**20
-            import triton.testing
-
-            def timed():
-                step()
-
-            row["ms"] = triton.testing.do_bench(timed, warmup=5, rep=60, return_mode="median")
     except torch.OutOfMemoryError:
         row["error"] = "out of memory"
     except Exception as err:  # a failing method is reported in its row
@@ -139,7 +158,7 @@ def run_method(method, h, w, a, b, y, ref, device, warmup_only=False):
     for t in inputs:
         t.grad = None
     free()
-    return row
+    return row, (None if "error" in row else timed)
 
 
 def main(argv=None) -> int:
@@ -149,6 +168,9 @@ def main(argv=None) -> int:
     parser.add_argument("--d", type=int, default=4096, help="hidden size (Llama-3-8B: 4096)")
     parser.add_argument("--v", type=int, default=128256, help="vocabulary size (Llama-3: 128256)")
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    parser.add_argument(
+        "--rounds", type=int, default=5, help="timing rounds over every method of a shape, in turn (median reported)"
+    )
     parser.add_argument("--tiny", action="store_true", help="a tiny shape on the CPU (smoke test of the script)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
@@ -168,23 +190,36 @@ def main(argv=None) -> int:
             b = (torch.randn(args.v, rank, device=device, generator=gen) * 0.02).requires_grad_()
             ref = reference(h, w, a, b, y)
             free()
+            shape_rows, timers = {}, {}
             for method in args.methods:
-                row = run_method(method, h, w, a, b, y, ref, device)
-                row.update(n=n, rank=rank, d=args.d, v=args.v)
-                rows.append(row)
-                print(json.dumps(row), flush=True)
+                shape_rows[method], timer = prepare_method(method, h, w, a, b, y, ref, device)
+                shape_rows[method].update(n=n, rank=rank, d=args.d, v=args.v)
+                if timer is not None:
+                    timers[method] = timer
             del ref
             free()
+            baseline = "peft_unfused" if "peft_unfused" in timers else None
+            for method, timing in interleaved_rounds(timers, args.rounds, baseline).items():
+                shape_rows[method].update(timing)
+            for row in shape_rows.values():
+                rows.append(row)
+                print(json.dumps(row), flush=True)
     print()
-    print("| N | r | method | fwd+bwd ms | peak MiB | loss err | dh err | dA err | dB err |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print(
+        "| N | r | method | fwd+bwd ms | x PEFT unfused (95% interval) | peak MiB | loss err | dh err | dA err | dB err |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|")
 
     def fmt(row, key, spec):
         value = row.get(key)
         return "-" if value is None else format(value, spec)
 
     for row in rows:
-        cells = [row["n"], row["rank"], row["method"], fmt(row, "ms", ".2f"), fmt(row, "peak_mib", ".0f")]
+        speedup = "-"
+        if "speedup" in row:
+            low, high = row["speedup_interval95"]
+            speedup = f"{row['speedup']:.2f} ({low:.2f}-{high:.2f})"
+        cells = [row["n"], row["rank"], row["method"], fmt(row, "ms", ".2f"), speedup, fmt(row, "peak_mib", ".0f")]
         cells += [fmt(row, k, ".1e") for k in ("loss_rel_err", "dh_rel_l2", "dA_rel_l2", "dB_rel_l2")]
         if "error" in row:
             cells[3] = row["error"]

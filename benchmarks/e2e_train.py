@@ -10,8 +10,10 @@ fused loss off: ``liger_kernel_config={"fused_linear_cross_entropy": False}``).
 
 Models are built from configs (random weights, no download): Llama-3.2-1B's (hidden 2048, vocab
 128256) and Gemma-2-2B's (final-logit softcap 30). One process; for each setup it runs a few
-optimizer steps of batch 1 x ``--seq-len`` tokens in bf16 and reports peak GPU memory and
-tokens/s over the steps after the first.
+optimizer steps of batch 1 x ``--seq-len`` tokens in bf16 and reports peak GPU memory,
+tokens/s over the steps after the first and those steps' spread (p10, median, p90 of the step time). The
+setups run one after the other (no interleaving): a difference inside the spread of the steps is level.
+Liger's setups come last (its kernels replace transformers' model classes for the rest of the process).
 
     python benchmarks/e2e_train.py --seq-len 4096 --steps 6
     python benchmarks/e2e_train.py --seq-len 8192 --setups trainer,trainer+lce_patch,trainer+compile+lce_patch
@@ -23,6 +25,7 @@ import argparse
 import gc
 import json
 import os
+import statistics
 import time
 
 
@@ -54,6 +57,8 @@ def build_model(name: str):
 
 
 class _Timer:
+    """Wall time of the steps after the first (synchronized at each step's start and end), and of each step."""
+
     def __init__(self):
         from transformers import TrainerCallback
 
@@ -64,8 +69,15 @@ class _Timer:
                 import torch
 
                 torch.cuda.synchronize()
+                outer.step_start = time.perf_counter()
                 if state.global_step == 1:
-                    outer.start = time.perf_counter()
+                    outer.start = outer.step_start
+
+            def on_step_end(self, args, state, control, **kwargs):
+                import torch
+
+                torch.cuda.synchronize()
+                outer.step_s.append(time.perf_counter() - outer.step_start)
 
             def on_train_end(self, args, state, control, **kwargs):
                 import torch
@@ -74,7 +86,8 @@ class _Timer:
                 outer.stop = time.perf_counter()
 
         self.callback = Callback()
-        self.start = self.stop = None
+        self.start = self.stop = self.step_start = None
+        self.step_s: list[float] = []
 
 
 def run(setup: str, model_name: str, seq_len: int, steps: int, out_dir: str, prompt_fraction: float = 0.0) -> dict:
@@ -166,12 +179,25 @@ def run(setup: str, model_name: str, seq_len: int, steps: int, out_dir: str, pro
         "versions": _versions(),
         "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
         "tokens_per_s": seq_len * (steps - 1) / (timer.stop - timer.start),
+        "step_s": timer.step_s,  # every step, the first (compiling, warming up) included
+        "step_s_p10_median_p90": _spread(timer.step_s[1:]),
         "losses": losses,
     }
     del trainer, model
     gc.collect()
     torch.cuda.empty_cache()
     return result
+
+
+def _spread(times: list[float]) -> list[float] | None:
+    if not times:
+        return None
+    ordered = sorted(times)
+    return [
+        ordered[round(0.1 * (len(ordered) - 1))],
+        statistics.median(ordered),
+        ordered[round(0.9 * (len(ordered) - 1))],
+    ]
 
 
 def _versions() -> dict:
@@ -197,11 +223,23 @@ def main() -> None:
     )
     parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "e2e.json"))
     args = parser.parse_args()
+    setups = args.setups.split(",")
+    liger = [i for i, setup in enumerate(setups) if "+liger" in setup]
+    if liger and any("+liger" not in setup for setup in setups[liger[0] :]):
+        parser.error(
+            "Liger's kernels replace transformers' model classes for the rest of the process: "
+            "list the setups with +liger or +liger-nonloss last"
+        )
+    import sys
+
     import torch
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from bench_common import env_info
 
     results = []
     for model_name in args.models.split(","):
-        for setup in args.setups.split(","):
+        for setup in setups:
             try:
                 results.append(run(setup, model_name, args.seq_len, args.steps, "/tmp/e2e", args.prompt_fraction))
             except Exception as error:  # report and go on: one failing setup must not hide the others
@@ -209,16 +247,18 @@ def main() -> None:
                 torch.cuda.empty_cache()
             print(json.dumps(results[-1]), flush=True)
     with open(args.out, "w") as f:
-        json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "results": results}, f, indent=1)
+        json.dump({"env": env_info(), "args": vars(args), "results": results}, f, indent=1)
     print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}, seq {args.seq_len}, batch 1, bf16")
-    print("| model | setup | peak GiB | tokens/s | first/last loss |\n|---|---|---|---|---|")
+    print("| model | setup | peak GiB | tokens/s | step s p10 / median / p90 | first/last loss |")
+    print("|---|---|---|---|---|---|")
     for r in results:
         if "error" in r:
-            print(f"| {r['model']} | {r['setup']} | error: {r['error'][:80]} | | |")
+            print(f"| {r['model']} | {r['setup']} | error: {r['error'][:80]} | | | |")
         else:
             print(
                 f"| {r['model']} | {r['setup']} | {r['peak_gib']:.2f} | {r['tokens_per_s']:.0f} | "
-                f"{r['losses'][0]:.3f} / {r['losses'][-1]:.3f} |"
+                + " / ".join(f"{t:.3f}" for t in r["step_s_p10_median_p90"] or [])
+                + f" | {r['losses'][0]:.3f} / {r['losses'][-1]:.3f} |"
             )
 
 

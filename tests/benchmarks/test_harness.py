@@ -80,3 +80,39 @@ def test_an_exported_tree_names_its_commit_and_sees_a_changed_file(tmp_path):
         readme.write("changed\n")
     state = tree_state(tree)
     assert state["dirty"] is True and state["changed"] == ["README.md"]
+
+
+def test_interleaved_rounds_rotates_the_order_and_pairs_the_rounds():
+    from bench_common import interleaved_rounds
+
+    order: list[str] = []
+    fast_times = iter([10.0, 11.0, 9.0, 10.0])
+
+    def timer(name, times):
+        def timed():
+            order.append(name)
+            return next(times)
+
+        return timed
+
+    def failing():
+        order.append("broken")
+        if order.count("broken") > 1:
+            raise RuntimeError("CUDA error: an illegal memory access")
+        return 1.0
+
+    result = interleaved_rounds(
+        {"ref": timer("ref", iter([20.0, 22.0, 18.0, 21.0])), "fast": timer("fast", fast_times), "broken": failing},
+        rounds=4,
+        reference="ref",
+    )
+    # each round starts one method later; a method that raised is not timed again
+    assert order[:3] == ["ref", "fast", "broken"] and order[3:5] == ["fast", "broken"] and order.count("broken") == 2
+    fast = result["fast"]
+    assert fast["ms_rounds"] == [10.0, 11.0, 9.0, 10.0] and fast["ms"] == 10.0
+    assert fast["speedup"] == 20.5 / 10.0 and fast["faster_every_round"] and not fast["slower_every_round"]
+    low, high = fast["speedup_interval95"]
+    assert 1.5 < low <= fast["speedup"] <= high < 2.5
+    assert result["broken"]["ms_rounds"] == [1.0] and "illegal memory access" in result["broken"]["error"]
+    assert "speedup" not in result["broken"]  # one round is no pair
+    assert "speedup" not in result["ref"] and result["ref"]["ms"] == 20.5

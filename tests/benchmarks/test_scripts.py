@@ -220,9 +220,10 @@ def test_bench_trl_tiny_on_cpu(trainer, tmp_path):
 
 def test_bench_divergence_tiny_on_cpu(tmp_path):
     out = tmp_path / "divergence.json"
-    result = _run(["bench_divergence.py", "--tiny", "--reps", "2", "--out", str(out)], tmp_path)
+    result = _run(["bench_divergence.py", "--tiny", "--reps", "2", "--rounds", "2", "--out", str(out)], tmp_path)
     assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
     (row,) = json.loads(out.read_text())["results"]
+    assert len(row["lce_patch"]["ms_rounds"]) == 2 and row["lce_patch"]["pct_of_floor"] > 0, row
     losses = {method: row[method].get("loss") for method in ("lce_patch", "trl", "unfused")}
     assert losses["lce_patch"] == pytest.approx(losses["unfused"], rel=1e-5), row
     if losses["trl"] is not None:  # TRL's kernel on the CPU (its torch path), when trl imports
@@ -267,10 +268,12 @@ def test_preference_e2e_tiny_on_cpu(tmp_path):
 def test_bench_lora_head_tiny_on_cpu(tmp_path):
     # the fused LoRA head against PEFT's unfused one and an fp32 reference, on a tiny fp32 shape
     out = tmp_path / "lora_head.json"
-    result = _run(["bench_lora_head.py", "--tiny", "--out", str(out)], tmp_path)
+    result = _run(["bench_lora_head.py", "--tiny", "--rounds", "2", "--out", str(out)], tmp_path)
     assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
     rows = {row["method"]: row for row in json.loads(out.read_text())["rows"]}
     assert not any("error" in row for row in rows.values()), rows
+    assert all(len(row["ms_rounds"]) == 2 for row in rows.values()), rows  # every method timed in each round
+    assert "speedup" not in rows["peft_unfused"] and len(rows["lce_patch_lora"]["speedup_interval95"]) == 2
     for key in ("loss_rel_err", "dh_rel_l2", "dA_rel_l2", "dB_rel_l2"):
         assert rows["lce_patch_lora"][key] < 1e-5, (key, rows["lce_patch_lora"])
 
