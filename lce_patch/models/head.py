@@ -82,6 +82,14 @@ SLOT_ATTR = "_lce_patch_slot"
 _INTERCEPTED_ATTR = "_lce_patch_intercepted"
 
 
+class _ThreadState(threading.local):
+    def __init__(self) -> None:  # run in each thread at its first use
+        # Both present from the start: a first call that added them would fail, once, the guard torch.compile
+        # put on their absence when it traced that call (one more compile of the whole model).
+        self.job: Any = None
+        self.logits_loss: Any = None
+
+
 class JobSlot:
     """The armed job of one patched model, per thread (None when idle). Shared, not copied, by ``deepcopy``.
 
@@ -93,12 +101,12 @@ class JobSlot:
     """
 
     def __init__(self) -> None:
-        self._local = threading.local()
+        self._local = _ThreadState()
         self.warned: set[str] = set()  # one-time warnings already given for this model
 
     @property
     def job(self) -> Any:
-        return getattr(self._local, "job", None)
+        return self._local.job
 
     @job.setter
     def job(self, job: Any) -> None:
@@ -108,7 +116,7 @@ class JobSlot:
     def logits_loss(self) -> Any:
         """The loss the model's ``loss_function`` computes from the logits during an unfused call that has loss
         options the model's own loss lacks (``forward.LogitsLoss``), in this thread; None otherwise."""
-        return getattr(self._local, "logits_loss", None)
+        return self._local.logits_loss
 
     @logits_loss.setter
     def logits_loss(self, loss: Any) -> None:

@@ -120,6 +120,32 @@ def test_torch_compile_is_one_graph_with_eager_numbers(backend, op_name, options
 
 
 @pytest.mark.parametrize("op_name", sorted(OPS))
+def test_every_call_is_counted_once_eager_and_compiled_without_a_recompile(op_name):
+    """The call count (lce_patch.ops.op_calls, what the Trainer callback's line reads) under the public function's
+    name: one per eager call, one per run of a compiled graph, and the count never guards the graph (a guard on
+    it recompiled every step)."""
+    from lce_patch.ops import calls_since, op_calls
+
+    op = OPS[op_name]
+    torch._dynamo.reset()
+    problem = {k: v.float() if v.is_floating_point() else v for k, v in op.make_problem(13, bias=True).items()}
+
+    def step(hidden, weight):
+        return _tensors(op.function(**dict(problem, hidden=hidden, weight=weight), backend="torch"))[0].sum()
+
+    compiled = torch.compile(step, backend="aot_eager", fullgraph=True)
+    leaves = [problem[k].clone().requires_grad_(True) for k in ("hidden", "weight")]
+    for fn, label in ((step, "eager"), (compiled, "compiled")):
+        fn(*leaves).backward()  # the compiled step compiles here
+        before = op_calls()
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            for _ in range(3):
+                fn(*leaves).backward()
+        assert calls_since(before) == {op.function.__name__: 3}, label
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("op_name", sorted(OPS))
 def test_three_dim_inputs_give_the_flat_result(op_name):
     op = OPS[op_name]
     flat = op.make_problem(3, leading=(12,))

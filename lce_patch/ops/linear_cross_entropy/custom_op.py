@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 
 from ..core.backend import stats_dtype
+from ..core.calls import count_run
 from ..core.checks import selected_rows
 from ..core.chunking import resolve_chunks
 from ..core.grads import LowRank, absent_to_none, none_to_absent
@@ -73,11 +74,14 @@ def _fake_grads(options, hidden, weight, bias, low_rank_hidden, low_rank_weight,
 
 
 def _forward(
-    hidden, weight, bias, labels, num_items, low_rank_hidden, low_rank_weight, token_weights, class_weights, *values
-):
+    hidden, weight, bias, labels, num_items, low_rank_hidden, low_rank_weight, token_weights, class_weights, op_name,
+    *values,
+):  # fmt: skip
     """(loss, entropy, is_top1, mean_logit, log_sum_sq, lse, predicted, the five gradients, grad_scale); empty
     tensors for what is not computed. lse is [N] when asked for (0 where ignored) or for per-token outputs with
-    gradients (0 where not processed), else empty."""
+    gradients (0 where not processed), else empty. ``op_name``: the public function whose call this is, counted
+    here (this operator runs only inside a compiled graph; eager calls are counted by the function)."""
+    count_run(op_name)
     options = SCHEMA.build(values)
     low_rank = None if low_rank_hidden is None else LowRank(low_rank_hidden, low_rank_weight)
     result = chunked_forward(hidden, weight, bias, labels, num_items, options, low_rank, token_weights, class_weights)
@@ -107,7 +111,8 @@ _forward_op = torch.library.custom_op(
     _forward,
     mutates_args=(),
     schema=(
-        f"({_INPUTS}, Tensor? num_items, {_LOW_RANK}, {_WEIGHTS}, {SCHEMA.text}) -> (Tensor loss, Tensor entropy, "
+        f"({_INPUTS}, Tensor? num_items, {_LOW_RANK}, {_WEIGHTS}, str op_name, {SCHEMA.text}) -> (Tensor loss, "
+        "Tensor entropy, "
         f"Tensor is_top1, Tensor mean_logit, Tensor log_sum_sq, Tensor lse, Tensor predicted, {_GRADS}, "
         "Tensor grad_scale)"
     ),
@@ -115,7 +120,10 @@ _forward_op = torch.library.custom_op(
 
 
 @_forward_op.register_fake
-def _(hidden, weight, bias, labels, num_items, low_rank_hidden, low_rank_weight, token_weights, class_weights, *values):
+def _(
+    hidden, weight, bias, labels, num_items, low_rank_hidden, low_rank_weight, token_weights, class_weights, op_name,
+    *values,
+):  # fmt: skip
     options = SCHEMA.build(values)
     rows = hidden.shape[0]
     grads_in_forward = options.any_grad and (options.scalar or options.precompute_grad)
@@ -138,7 +146,7 @@ def _(hidden, weight, bias, labels, num_items, low_rank_hidden, low_rank_weight,
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    hidden, weight, bias, labels, _num_items, low_rank_hidden, low_rank_weight, _token, _class, *values = inputs
+    hidden, weight, bias, labels, _num_items, low_rank_hidden, low_rank_weight, _token, _class, _op, *values = inputs
     ctx.options = options = SCHEMA.build(values)
     _loss, entropy, is_top1, mean_logit, log_sum_sq, lse, predicted, *grads, grad_scale = output
     ctx.set_materialize_grads(False)
@@ -175,6 +183,7 @@ def _backward(ctx, grad_loss, grad_entropy, *_unused):
         None,
         d_low_rank_hidden if needs[5] else None,
         d_low_rank_weight if needs[6] else None,
+        None,
         None,
         None,
         *(None,) * len(SCHEMA.names),
@@ -251,11 +260,13 @@ def compiled_linear_cross_entropy(
     token_weights: torch.Tensor | None,
     class_weights: torch.Tensor | None,
     options: CrossEntropyOptions,
+    op_name: str = OP_NAME,
 ) -> tuple[torch.Tensor, ...]:
     """(loss, entropy, is_top1, mean_logit, log_sum_sq, lse, predicted), each None when not wanted, through the
-    custom operator; the arguments are those of :class:`autograd.LinearCrossEntropyFunction`."""
+    custom operator; the arguments are those of :class:`autograd.LinearCrossEntropyFunction`, and the name of the
+    public function called (what the operator counts as a call when it runs)."""
     loss, *wanted = _forward_op(
         hidden, weight, bias, labels, num_items, low_rank_hidden, low_rank_weight, token_weights, class_weights,
-        *SCHEMA.values(options),
+        op_name, *SCHEMA.values(options),
     )  # fmt: skip
     return loss, *(value if asked else None for value, asked in zip(wanted[:6], options.want, strict=True))

@@ -10,7 +10,7 @@ from typing import NamedTuple
 import torch
 
 from ..core.backend import BACKENDS, resolve_backend
-from ..core.calls import count_call
+from ..core.calls import count_call, count_run
 from ..core.checks import num_items_tensor
 from ..core.reduction import check_reduction
 from .autograd import LinearCrossEntropyFunction
@@ -104,25 +104,33 @@ def _run(
     vocab_shard,
     token_weights=None,
     class_weights=None,
+    op_name=OP_NAME,
 ):
     """The op on local tensors (:func:`_run_chunked`), or its vocabulary-parallel form for a weight
-    sharded along the vocabulary: a DTensor (tensor parallelism) or a local shard with ``vocab_shard``."""
+    sharded along the vocabulary: a DTensor (tensor parallelism) or a local shard with ``vocab_shard``.
+    ``op_name``: the public function called, for the count of its calls (:mod:`..core.calls`)."""
     if vocab_shard is not None or any(is_dtensor(t) for t in (hidden, weight, bias, labels)):
         if low_rank_hidden is not None or low_rank_weight is not None:
             fail("a low-rank term (LoRA on the head) is not supported with a vocabulary-sharded weight")
         if token_weights is not None or class_weights is not None:
             fail("token_weights and class_weights are not supported with a vocabulary-sharded weight")
-        return _run_vocab_parallel(hidden, weight, bias, labels, num_items_in_batch, options, vocab_shard)
+        traced = torch.compiler.is_compiling()  # a constant of the graph: its eager remainder counts the call
+        return _run_vocab_parallel(
+            hidden, weight, bias, labels, num_items_in_batch, options, vocab_shard, op_name, traced
+        )
     return _run_chunked(
         hidden, weight, bias, labels, num_items_in_batch, low_rank_hidden, low_rank_weight, options,
-        token_weights, class_weights,
+        token_weights, class_weights, op_name,
     )  # fmt: skip
 
 
 @torch.compiler.disable
-def _run_vocab_parallel(hidden, weight, bias, labels, num_items_in_batch, options, vocab_shard):
+def _run_vocab_parallel(hidden, weight, bias, labels, num_items_in_batch, options, vocab_shard, op_name, traced):
     """DTensors unwrapped into local tensors and their :class:`VocabShard` (see vocab_parallel.py). Runs
-    eagerly, a graph break under ``torch.compile``: each chunk exchanges statistics across the group."""
+    eagerly, a graph break under ``torch.compile``: each chunk exchanges statistics across the group. A call
+    from a compiled graph (``traced``) is counted here, where it runs."""
+    if traced:
+        count_run(op_name)
     if any(options.want):
         fail(
             "entropy, is_top1, mean_logits, log_sum_sq_probs, return_lse and return_token_accuracy are not "
@@ -137,7 +145,7 @@ def _run_vocab_parallel(hidden, weight, bias, labels, num_items_in_batch, option
     if isinstance(weight, torch.Tensor) and weight.dim() == 2:
         check_shard(shard, weight.shape[0], options.ignore_index)
     options = SCHEMA.replace(options, shard=shard, vocab_size=shard.total)
-    return _run_chunked(hidden, weight, bias, labels, num_items_in_batch, None, None, options)
+    return _run_chunked(hidden, weight, bias, labels, num_items_in_batch, None, None, options, op_name=op_name)
 
 
 def _run_chunked(
@@ -151,6 +159,7 @@ def _run_chunked(
     options,
     token_weights=None,
     class_weights=None,
+    op_name=OP_NAME,
 ):
     """Checks, casts, shifts and flattens the inputs, completes ``options`` with what the tensors decide (the
     backend, which inputs need gradients), then runs the chunked op: the autograd Function in eager mode, the
@@ -197,7 +206,7 @@ def _run_chunked(
     weights = loss_weights(token_weights, class_weights, out_shape, weight.shape[0], hidden.device, options)
     inputs = (hidden_2d, weight, bias, labels, num_items, *(low_rank or (None, None)), *weights)
     if torch.compiler.is_compiling():
-        outputs = compiled_linear_cross_entropy(*inputs, options)
+        outputs = compiled_linear_cross_entropy(*inputs, options, op_name)
     else:
         outputs = LinearCrossEntropyFunction.apply(*inputs, options)
     loss, *per_token = outputs
@@ -427,8 +436,9 @@ def fused_linear_log_probs(
     else:
         options = given_options(options, keywords, "fused_linear_log_probs", log_probs=True)
     loss, entropy, is_top1, mean_logits, log_sum_sq_probs, _lse, _predicted, label_mask = _run(
-        hidden, weight, bias, labels, None, low_rank_hidden, low_rank_weight, options, vocab_shard
-    )
+        hidden, weight, bias, labels, None, low_rank_hidden, low_rank_weight, options, vocab_shard,
+        op_name="fused_linear_log_probs",
+    )  # fmt: skip
     return TokenOutputs(
         log_probs=-loss,
         entropy=entropy,

@@ -18,11 +18,12 @@ from __future__ import annotations
 import torch
 
 from ..core.backend import stats_dtype
+from ..core.calls import count_run
 from ..core.grads import absent_to_none, none_to_absent
 from ..core.schema import OptionsSchema
 from .autograd import divergence_backward
 from .chunked import divergence_forward
-from .options import DivergenceOptions
+from .options import OP_NAME, DivergenceOptions
 
 _TENSORS = (
     "Tensor hidden, Tensor weight, Tensor? bias, Tensor teacher_hidden, Tensor teacher_weight, Tensor? teacher_bias, "
@@ -38,6 +39,7 @@ def _grads_or_empty(grads, hidden: torch.Tensor, weight: torch.Tensor) -> tuple[
 
 def _forward(hidden, weight, bias, teacher_hidden, teacher_weight, teacher_bias, row_weight, num_items, *values):
     """(loss, entropy, dh, dW, db); the gradients are empty unless a scalar loss computes them in the forward."""
+    count_run(OP_NAME)  # this operator runs only inside a compiled graph: eager calls are counted by the function
     options = _OPTIONS.build(values)
     tensors = (hidden, weight, bias, teacher_hidden, teacher_weight, teacher_bias, row_weight)
     out, entropy, grads = divergence_forward(*tensors, num_items, options)

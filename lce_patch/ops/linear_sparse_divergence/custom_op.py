@@ -18,6 +18,7 @@ import torch
 from torch._subclasses.fake_tensor import is_fake
 
 from ..core.backend import stats_dtype
+from ..core.calls import count_run
 from ..core.grads import absent_to_none, none_to_absent, scaled_by_upstream
 from ..core.schema import OptionsSchema
 from .chunked import sparse_backward, sparse_forward
@@ -42,6 +43,7 @@ def _grads_or_empty(grads, hidden, weight, stats):
 def _forward_op(hidden, weight, bias, candidate_ids, teacher_logprobs, candidate_mask, num_items, *values):
     """(loss, entropy, dh, dW, db); the gradients are empty unless a scalar loss computes them in the forward,
     the entropy unless asked for."""
+    count_run(OP_NAME)  # eager and compiled calls alike run this operator: the one place they are counted
     options = _OPTIONS.build(values)
     loss, entropy, grads = sparse_forward(
         hidden, weight, bias, candidate_ids, teacher_logprobs, candidate_mask, num_items, options

@@ -110,7 +110,6 @@ def fused_linear_sparse_divergence(
         The loss (0-d, or [...] per position for "none"; fp32, fp64 for float64 inputs); with ``return_entropy``,
         (loss, entropy [...]). With nothing counted the loss is 0 and every gradient 0.
     """
-    count_call(OP_NAME)
     check_inputs(hidden, weight, bias, candidate_ids, teacher_logprobs, candidate_mask)
     check_reduction(reduction, num_items_in_batch, OP_NAME)
     use_triton = resolve_backend(backend, hidden.device, hidden.dtype, OP_NAME)
@@ -148,7 +147,8 @@ def fused_linear_sparse_divergence(
     num_items = None
     if num_items_in_batch is not None:
         num_items = checks.num_items_tensor(num_items_in_batch, hidden.device, OP_NAME)
-    if hidden_2d.shape[0] == 0:
+    if hidden_2d.shape[0] == 0:  # counted here: no operator runs (the operator counts every other call)
+        count_call(OP_NAME)
         zero = hidden_2d.sum() * 0 + weight.sum() * 0
         stats = zero.dtype if zero.dtype == torch.float64 else torch.float32
         loss = zero.to(stats) if reduction != "none" else hidden_2d.new_zeros(0, dtype=stats)
