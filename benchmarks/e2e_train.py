@@ -237,6 +237,7 @@ def main() -> None:
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from bench_common import env_info
 
+    env = env_info()
     results = []
     for model_name in args.models.split(","):
         for setup in setups:
@@ -246,8 +247,8 @@ def main() -> None:
                 results.append({"setup": setup, "model": model_name, "error": repr(error)[:300]})
                 torch.cuda.empty_cache()
             print(json.dumps(results[-1]), flush=True)
-    with open(args.out, "w") as f:
-        json.dump({"env": env_info(), "args": vars(args), "results": results}, f, indent=1)
+            with open(args.out, "w") as f:  # after every setup: a run cut short keeps what it measured
+                json.dump({"env": env, "args": vars(args), "results": results}, f, indent=1)
     print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}, seq {args.seq_len}, batch 1, bf16")
     print("| model | setup | peak GiB | tokens/s | step s p10 / median / p90 | first/last loss |")
     print("|---|---|---|---|---|---|")
