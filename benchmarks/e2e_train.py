@@ -25,7 +25,6 @@ import argparse
 import gc
 import json
 import os
-import statistics
 import time
 
 
@@ -190,14 +189,13 @@ def run(setup: str, model_name: str, seq_len: int, steps: int, out_dir: str, pro
 
 
 def _spread(times: list[float]) -> list[float] | None:
+    """p10, median and p90 of the step times (s), by bench_common.timing_summary (whose keys say ms)."""
     if not times:
         return None
-    ordered = sorted(times)
-    return [
-        ordered[round(0.1 * (len(ordered) - 1))],
-        statistics.median(ordered),
-        ordered[round(0.9 * (len(ordered) - 1))],
-    ]
+    from bench_common import timing_summary
+
+    summary = timing_summary(times)
+    return [summary["ms_p10"], summary["ms_median"], summary["ms_p90"]]
 
 
 def _versions() -> dict:
