@@ -43,15 +43,18 @@ CUDA_LAUNCH_CALLS = frozenset({"cudaLaunchKernel", "cudaLaunchKernelExC", "cuLau
 MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 
-# What an out of memory outside the caching allocator says: cuBLAS's workspace, NCCL's buffers, a kernel launch.
-DEVICE_OOM_MARKERS = ("out of memory", "CUBLAS_STATUS_ALLOC_FAILED", "NCCL", "unhandled cuda error", "CUDA error")
+# What an out of memory reads as where it does not come as torch.OutOfMemoryError: cuBLAS's failed workspace
+# allocation, a CUDA error saying so, and NCCL's "unhandled cuda error" (how it surfaced inside ring attention's
+# exchange); any other CUDA or NCCL error (an illegal memory access, a timeout) is a failure, not "does not fit"
+DEVICE_OOM_MARKERS = ("out of memory", "CUBLAS_STATUS_ALLOC_FAILED", "unhandled cuda error")
 
 
 def out_of_memory(error: BaseException) -> str | None:
     """How ``error`` says out of memory (None when it does not): ``"out of memory"`` for the caching allocator's
-    error, else "out of memory (surfaced as: ...)" for a CUDA or NCCL error (inside ring attention's exchange an out
-    of memory came as ``NCCL Error 1: unhandled cuda error``), after which the process group and the CUDA context are
-    not to be trusted."""
+    error, else "out of memory (surfaced as: ...)" for a CUDA or NCCL error that reads as one (``DEVICE_OOM_MARKERS``;
+    inside ring attention's exchange an out of memory came as ``NCCL Error 1: unhandled cuda error``), after which
+    the process group and the CUDA context are not to be trusted. Other errors, an illegal memory access among them,
+    are None: the callers report them as failures."""
     if isinstance(error, torch.OutOfMemoryError):
         return "out of memory"
     text = str(error)

@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 REPO = Path(__file__).resolve().parents[2]
@@ -116,3 +117,26 @@ def test_interleaved_rounds_rotates_the_order_and_pairs_the_rounds():
     assert result["broken"]["ms_rounds"] == [1.0] and "illegal memory access" in result["broken"]["error"]
     assert "speedup" not in result["broken"]  # one round is no pair
     assert "speedup" not in result["ref"] and result["ref"]["ms"] == 20.5
+
+
+@pytest.mark.parametrize(
+    ("error", "expected"),
+    [
+        (torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"), "out of memory"),
+        (RuntimeError("CUDA error: out of memory\nCUDA kernel errors might be ..."), "surfaced as: CUDA error: out"),
+        (RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`"), "CUBLAS"),
+        (RuntimeError("NCCL Error 1: unhandled cuda error (run with NCCL_DEBUG=INFO for details)"), "NCCL Error 1"),
+        (RuntimeError("CUDA error: an illegal memory access was encountered"), None),
+        (RuntimeError("NCCL communicator was aborted on rank 1 (watchdog timeout)"), None),
+        (RuntimeError("CUDA error: misaligned address"), None),
+        (ValueError("out of memory"), None),  # only runtime errors come from the device
+    ],
+)
+def test_out_of_memory_is_told_apart_from_other_device_errors(error, expected):
+    from bench_common import out_of_memory
+
+    said = out_of_memory(error)
+    if expected is None:
+        assert said is None
+    else:
+        assert said is not None and expected in said
