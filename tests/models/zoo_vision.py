@@ -1490,7 +1490,9 @@ def make_batch(config: PretrainedConfig, generator: torch.Generator, rows: int =
     tokens and is right-padded (pad id, attention_mask 0). Labels are ``input_ids`` with -100 on the image runs (the
     image tokens and the markers the processor puts around them), on the padding and on the first 3 tokens of row 0.
     """
-    images = _MAKERS[config.model_type][1](config, generator, rows)
+    # transformers 4.57 names some types with a hyphen where 5 has an underscore ("lfm2-vl" / "lfm2_vl")
+    maker = _MAKERS.get(config.model_type) or _MAKERS[config.model_type.replace("-", "_")]
+    images = maker[1](config, generator, rows)
     pad = _pad_id(config)
     prefix = images.prefix
     length = max(prefix + len(run) + SUFFIX + (ROW1_PAD if r == 1 else 0) for r, run in enumerate(images.runs))
